@@ -1,0 +1,125 @@
+"""Transformer building blocks shared by the ViT and the language model.
+
+Written serially with plain nn.Linear/nn.LayerNorm; `distributed.parallelize` swaps them for parallel
+layers. Conventions it relies on:
+- `Attention.qkv` is one fused projection whose output features are ordered (head, {q,k,v}, head_dim),
+  so a contiguous split of the output features gives each tensor-parallel rank whole heads.
+- `Attention.attend` is the attention core on (B, heads, N, head_dim); context parallelism swaps it.
+- `SequenceRegion` modules mark where activations enter and leave the sequence-sharded region.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SequenceRegion(nn.Identity):
+    """Identity in a serial model; marks where the sequence is split ('enter') or gathered ('exit')."""
+
+    def __init__(self, kind: str, seq_dim: int = 1):
+        super().__init__()
+        assert kind in ("enter", "exit")
+        self.kind, self.seq_dim = kind, seq_dim
+
+
+class ScaledDotProductAttention(nn.Module):
+    """Attention core on (B, heads, N, head_dim) q, k, v: torch's fused SDPA."""
+
+    def __init__(self, causal: bool, dropout: float):
+        super().__init__()
+        self.causal, self.dropout = causal, dropout
+
+    def forward(self, q, k, v):
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0, offset: int = 0):
+    """cos/sin tables (N, head_dim/2) for rotary position embedding (RoFormer, Su et al. 2021)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    pos = torch.arange(offset, offset + seq_len, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of (B, h, N, d) by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with one fused QKV projection and an output projection."""
+
+    def __init__(self, dim: int, num_heads: int, causal: bool = False, dropout: float = 0.0,
+                 bias: bool = True, rotary: bool = False):
+        super().__init__()
+        assert dim % num_heads == 0
+        self.head_dim = dim // num_heads
+        self.rotary = rotary
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.attend = ScaledDotProductAttention(causal, dropout)
+        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.position_offset = 0  # first global position of the local sequence (context parallelism)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # (B, N, heads_local * 3 * head_dim)
+        qkv = qkv.unflatten(-1, (-1, 3, self.head_dim)).permute(3, 0, 2, 1, 4)  # (3, B, h, N, hd)
+        q, k, v = qkv.unbind(0)
+        if self.rotary:
+            cos, sin = rotary_tables(q.shape[-2], self.head_dim, offset=self.position_offset)
+            cos, sin = cos.to(q.device), sin.to(q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = self.attend(q, k, v)  # (B, h, N, hd)
+        return self.proj(y.transpose(1, 2).flatten(2))  # (B, N, C)
+
+
+class MLP(nn.Module):
+    """Two-layer GELU MLP, hidden = ratio * dim."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, bias=bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, dim, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, causal: bool = False,
+                 dropout: float = 0.0, bias: bool = True, rotary: bool = False):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, num_heads, causal, dropout, bias, rotary)
+        self.drop = nn.Dropout(dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, int(dim * mlp_ratio), dropout, bias)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.mlp(self.norm2(x))
+
+
+def init_weights(module: nn.Module, std: float = 0.02, num_layers: int = 1) -> None:
+    """Truncated-normal linears (output projections scaled by 1/sqrt(2L), GPT-2), unit norms."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear):
+            scale = 1.0 / math.sqrt(2 * num_layers) if name.endswith(("attn.proj", "mlp.fc2")) else 1.0
+            nn.init.trunc_normal_(m.weight, std=std * scale, a=-2 * std, b=2 * std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)

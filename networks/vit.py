@@ -1,0 +1,93 @@
+"""The ERA5 Vision Transformer: state at t (C x H x W) -> state at t+dt, as in the NERSC tutorial.
+
+Patchify -> linear patch embedding + learned position embedding -> pre-norm blocks -> norm ->
+linear head -> un-patchify. One definition for every layout: `distributed.parallelize` shards it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+from torch import nn
+
+from networks.blocks import Block, SequenceRegion, init_weights
+from utils.errors import require
+from utils.metrics import RelativeL2Loss
+
+
+@dataclass
+class ViTConfig:
+    """Schema of `model=vit_*`. Image size and channel count come from the data config."""
+
+    arch: str = "vit"  # model family tag (fixed by the preset)
+    embed_dim: int = 128  # width of the token embedding (hidden size)
+    depth: int = 4  # number of transformer blocks
+    num_heads: int = 4  # attention heads; must divide embed_dim (and be divisible by parallel.tp)
+    patch_size: int = 8  # square patch side in grid points; must divide data.img_size
+    mlp_ratio: float = 4.0  # MLP hidden = mlp_ratio * embed_dim
+    dropout: float = 0.0  # dropout probability (0 keeps every layout bitwise comparable)
+    init_std: float = 0.02  # std of the truncated-normal weight initialization
+
+    def __post_init__(self):
+        require(self.arch == "vit", f"arch {self.arch!r} is not a ViT", "model.arch", "leave arch as set by the preset")
+        for name in ("embed_dim", "depth", "num_heads", "patch_size"):
+            require(getattr(self, name) > 0, f"{name} must be positive", f"model.{name}", "set a positive integer")
+        require(self.embed_dim % self.num_heads == 0,
+                f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}",
+                "model.embed_dim", "choose embed_dim a multiple of model.num_heads")
+        require(0.0 <= self.dropout < 1.0, f"dropout {self.dropout} outside [0, 1)", "model.dropout", "set 0 <= dropout < 1")
+
+
+class ViT(nn.Module):
+    """Vision Transformer regressor on (B, C, H, W) fields."""
+
+    def __init__(self, cfg: ViTConfig, img_size: tuple[int, int], in_channels: int, out_channels: int):
+        super().__init__()
+        h, w = img_size
+        p = cfg.patch_size
+        require(h % p == 0 and w % p == 0, f"img_size {list(img_size)} is not divisible by patch_size {p}",
+                "data.img_size", f"choose a crop whose sides are multiples of model.patch_size={p}")
+        self.cfg, self.img_size, self.out_channels = cfg, (h, w), out_channels
+        self.grid_hw = (h // p, w // p)
+        num_patches = self.grid_hw[0] * self.grid_hw[1]
+        self.patch_embed = nn.Linear(in_channels * p * p, cfg.embed_dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, cfg.embed_dim))
+        self.pos_drop = nn.Dropout(cfg.dropout)
+        self.enter_seq = SequenceRegion("enter")
+        self.blocks = nn.ModuleList(
+            Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_ratio, causal=False, dropout=cfg.dropout)
+            for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.embed_dim)
+        self.exit_seq = SequenceRegion("exit")
+        self.head = nn.Linear(cfg.embed_dim, out_channels * p * p)
+        self.criterion = RelativeL2Loss()  # the seed's relative L2 loss, used by the trainer
+        init_weights(self, cfg.init_std, cfg.depth)
+        nn.init.trunc_normal_(self.pos_embed, std=cfg.init_std, a=-2 * cfg.init_std, b=2 * cfg.init_std)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid_hw[0] * self.grid_hw[1]
+
+    def patchify(self, x: torch.Tensor) -> torch.Tensor:
+        p, (gh, gw) = self.cfg.patch_size, self.grid_hw
+        b, c = x.shape[:2]
+        x = x.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5)  # (B, gh, gw, C, p, p)
+        return x.reshape(b, gh * gw, c * p * p)  # (B, N, C*p*p)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        p, (gh, gw) = self.cfg.patch_size, self.grid_hw
+        b = x.shape[0]
+        x = x.reshape(b, gh, gw, self.out_channels, p, p).permute(0, 3, 1, 4, 2, 5)  # (B, C, gh, p, gw, p)
+        return x.reshape(b, self.out_channels, gh * p, gw * p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pos_drop(self.patch_embed(self.patchify(x)) + self.pos_embed)  # (B, N, D)
+        x = self.enter_seq(x)  # (B, N_local, D) under sequence/context parallelism
+        for block in self.blocks:
+            x = block(x)
+        x = self.exit_seq(self.norm(x))  # (B, N, D)
+        return self.unpatchify(self.head(x))  # (B, C, H, W)
+
+    def matmul_params(self) -> int:
+        """Weights that take part in matrix multiplies (for the FLOP model): all but norms, biases, pos."""
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))

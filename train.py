@@ -1,0 +1,50 @@
+"""Train a model: `python train.py [model=...] [data=...] [precision=...] [parallel=...] [key=value ...]`.
+
+Thin entry: compose the config, validate it against the data and the launch, build the grid, the
+task and the trainer, and fit. Also runs under torchrun and srun; `train_mp.py` launches it locally.
+"""
+
+import sys
+
+from utils.errors import ConfigError, exit_bad_input
+
+USAGE = __doc__ + """
+Options: --cfg prints the resolved config and exits; --help prints this text.
+Groups: model= data= precision= parallel= optim= experiment= (see config/ for the presets).
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(USAGE)
+        return 0
+    from utils.build import build_run_dir, build_trainer
+    from utils.comm import Axis, check_grid, destroy_grid, init_grid
+    from utils.config import load_config
+    from utils.data import check_batch
+    from utils.logger import setup_logging
+    from utils.tasks import build_task
+
+    try:
+        cfg, choices, config_yaml = load_config([a for a in argv if a != "--cfg"])
+        if "--cfg" in argv:
+            print(config_yaml)
+            return 0
+        sizes = check_grid(cfg.parallel)
+        task = build_task(cfg)
+        check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps, len(task.train_set))
+        grid = init_grid(cfg.parallel)
+        run_dir = build_run_dir(cfg, choices, grid)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log = setup_logging(run_dir, grid.is_main)
+        trainer = build_trainer(cfg, choices, config_yaml, task, grid, log, run_dir)
+        trainer.fit()
+    except ConfigError as err:
+        exit_bad_input(err)
+    destroy_grid()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

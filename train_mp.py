@@ -1,0 +1,110 @@
+"""Launch the ranks a parallel layout needs on this machine: `python train_mp.py parallel=tp2 [...]`.
+
+Starts world = tp*cp*pp*dp processes of `train.py` (dp = parallel.dp, or 1 when it is derived; or
+`--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs, else CPU processes
+on gloo. Returns the first non-zero exit status; when a rank fails, the others are stopped at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from utils.errors import ConfigError, exit_bad_input
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+    """Take `--nproc N` / `--nproc=N` out of argv."""
+    rest, nproc, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--nproc"):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"bad --nproc value '{value}'", "--nproc", "give a positive number of ranks")
+            nproc = int(value)
+            continue
+        rest.append(arg)
+        i += 1
+    return nproc, rest
+
+
+def world_size(argv: list[str], nproc: int | None) -> int:
+    """Ranks the grid needs (validated like train.py does, before anything starts)."""
+    from utils.comm import LaunchEnv, check_grid
+    from utils.config import load_config
+
+    cfg, _, _ = load_config(argv)
+    p = cfg.parallel
+    world = nproc or p.tp * p.cp * p.pp * max(p.dp, 1)
+    check_grid(p, LaunchEnv(world_size=world))
+    return world
+
+
+def rank_env(rank: int, world: int, port: int, use_gpus: bool) -> dict[str, str]:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not use_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    return env
+
+
+def supervise(procs: list[subprocess.Popen]) -> int:
+    """Wait for all ranks; the first failure stops the rest and is returned."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.time() + 10
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        nproc, argv = parse_nproc(argv)
+        world = world_size(argv, nproc)
+    except ConfigError as err:
+        exit_bad_input(err)
+    import torch
+
+    use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    port = free_port()
+    entry = str(Path(__file__).resolve().parent / "train.py")
+    print(f"train_mp: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
+    procs = [subprocess.Popen([sys.executable, entry, *argv], env=rank_env(r, world, port, use_gpus))
+             for r in range(world)]
+    try:
+        return supervise(procs)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.kill()
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Setup in a few build_* steps, in the order data flows: grid -> model -> data -> trainer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from utils.comm import Axis, Grid
+from utils.config import Config
+from utils.data import build_loaders
+from utils.optim import build_optimizer, build_scheduler
+from utils.precision import configure_matmul, grad_scaler
+from utils.trainer import Trainer
+
+
+def layout_name(grid: Grid) -> str:
+    """'single' or e.g. 'tp2-dp2' (axes of size > 1, in grid order)."""
+    parts = [f"{a.value}{grid.size(a)}" for a in grid.order if grid.size(a) > 1]
+    return "-".join(parts) or "single"
+
+
+def build_run_dir(cfg: Config, choices: dict[str, str], grid: Grid) -> Path:
+    """run.dir, or a readable default under run.root that every rank derives identically."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    name = "-".join([choices["model"], choices["data"], layout_name(grid), cfg.precision.mode]
+                    + ([cfg.run.tag] if cfg.run.tag else []))
+    return Path(cfg.run.root) / name
+
+
+def build_model(cfg: Config, task, grid: Grid) -> tuple[nn.Module, nn.Module]:
+    """(model to train, possibly DDP-wrapped; the underlying module). Full weights from the seed, then shards."""
+    torch.manual_seed(cfg.trainer.seed)
+    model = task.build_model()  # full serial weights on CPU: identical on every rank and layout
+    if grid.size(Axis.TP) > 1:
+        from distributed.parallelize import parallelize
+
+        model = parallelize(model, grid=grid, sequence_parallel=cfg.parallel.sequence_parallel)
+    model.to(grid.device)
+    if cfg.trainer.activation_checkpointing or cfg.precision.compile:
+        from distributed.block_wrappers import wrap_blocks
+
+        wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
+    if grid.world_size > 1:
+        from distributed.data_parallel import wrap_data_parallel
+
+        return wrap_data_parallel(model, grid=grid), model
+    return model, model
+
+
+def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Parameter, gradient (same as parameters) and optimizer-state bytes held by this rank."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    state = state or 2 * params  # Adam's two moments, allocated at the first step
+    n = sum(p.numel() for p in model.parameters())
+    return (f"this rank holds {n / 1e6:.2f}M parameters: {params / 2**20:.1f} MiB weights, "
+            f"{params / 2**20:.1f} MiB gradients, {state / 2**20:.1f} MiB optimizer state")
+
+
+def build_trainer(cfg: Config, choices: dict[str, str], config_yaml: str, task, grid: Grid,
+                  log: logging.Logger, run_dir: Path) -> Trainer:
+    """Model, optimizer, schedule, scaler, loaders and the restored state of a resumed run."""
+    from utils.checkpoint import Checkpointer, resolve_resume
+
+    configure_matmul(cfg.precision.mode)
+    dp = grid.axis(Axis.DP)
+    model, raw = build_model(cfg, task, grid)
+    optimizer = build_optimizer(cfg.optim, raw.parameters(), grid.device)
+    scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
+    scaler = grad_scaler(cfg.precision.mode, grid.device)
+    resume = resolve_resume(cfg.trainer.resume, Checkpointer(run_dir, grid.global_rank))
+    trainer_args = dict(cfg=cfg, grid=grid, task=task, model=model, raw_model=raw, optimizer=optimizer,
+                        scheduler=scheduler, scaler=scaler, run_dir=run_dir, log=log)
+    state = Checkpointer(run_dir, grid.global_rank).load(resume) if resume else None
+    start = int(state["step"]) if state else 0
+    loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
+                            dp_rank=dp.rank, dp_size=dp.size, seed=cfg.trainer.seed, start_step=start,
+                            num_workers=cfg.trainer.num_workers, pin_memory=grid.device.type == "cuda")
+    trainer = Trainer(loaders=loaders, start_step=start, **trainer_args)
+    if state:
+        trainer.load_state(state)
+        log.info(f"resumed from {resume} at step {start}")
+    if grid.is_main:
+        (run_dir / "config.yaml").write_text(config_yaml)
+    log.info(f"grid: {grid.describe().splitlines()[0]}; run.dir: {run_dir}")
+    log.info(param_bytes_report(raw, optimizer))
+    return trainer
+

@@ -1,0 +1,273 @@
+"""The parallel grid: axis sizes and order -> process groups, passed explicitly to everything else.
+
+`ParallelConfig` is the schema of the `parallel` config group. `rank_layout` is the pure math (which
+global ranks form each group of each axis), `Grid` is the object the rest of the code receives, and
+`init_grid` initializes torch.distributed from the launch environment (torchrun, Slurm, or one bare
+process) and builds the groups on a torch DeviceMesh. A size-1 axis has no process group and every
+collective on it is skipped, so serial code needs no `if distributed:`.
+
+Order: `order="tp-cp-dp-pp"` lists the axes from nearest ranks (fastest varying) to farthest, as in
+the NERSC tutorial: with 8 ranks, tp=4, dp=2 and order tp-dp, the tp groups are [0,1,2,3] and
+[4,5,6,7] and the dp groups are [0,4], [1,5], [2,6], [3,7].
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from utils.errors import ConfigError, require
+
+
+class Axis(str, enum.Enum):
+    """Grid axes: tensor, context, data and pipeline parallelism."""
+
+    TP = "tp"
+    CP = "cp"
+    DP = "dp"
+    PP = "pp"
+
+
+AXES = tuple(Axis)
+
+
+@dataclass
+class ParallelConfig:
+    """Schema of `parallel=`: the grid of ranks. dp = world / (tp*cp*pp) unless set."""
+
+    tp: int = 1  # tensor-parallel degree: attention heads and MLP hidden split over tp ranks
+    cp: int = 1  # context-parallel degree: the sequence (patches/tokens) split over cp ranks
+    pp: int = 1  # pipeline-parallel degree: consecutive blocks on pp ranks
+    dp: int = 0  # data-parallel degree; 0 = derive from the world size
+    order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
+    sequence_parallel: bool = True  # Megatron sequence parallelism for norms/dropout under tp
+    init_timeout_s: int = 600  # timeout of collectives: a missing rank fails the job, never hangs
+
+    def __post_init__(self):
+        for name in ("tp", "cp", "pp"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value}",
+                    f"parallel.{name}", f"set parallel.{name}=1 or more")
+        require(self.dp >= 0, f"dp must be >= 0, got {self.dp}", "parallel.dp", "use 0 to derive dp from the world size")
+        parse_order(self.order)
+        require(self.init_timeout_s > 0, "timeout must be positive", "parallel.init_timeout_s", "set a number of seconds")
+
+
+def parse_order(order: str) -> tuple[Axis, ...]:
+    """'tp-cp-dp-pp' -> axes nearest first; missing axes are appended in default order."""
+    names = [n for n in order.split("-") if n]
+    valid = [a.value for a in AXES]
+    for n in names:
+        require(n in valid, f"unknown axis '{n}' in order '{order}'", "parallel.order",
+                f"use a '-'-separated permutation of {'-'.join(valid)}")
+    require(len(set(names)) == len(names), f"axis repeated in order '{order}'", "parallel.order",
+            "name each axis at most once")
+    return tuple(Axis(n) for n in names) + tuple(a for a in AXES if a.value not in names)
+
+
+def resolve_sizes(cfg: ParallelConfig, world_size: int) -> dict[Axis, int]:
+    """Axis sizes for this world size; raises ConfigError when the grid does not fit."""
+    model_parallel = cfg.tp * cfg.cp * cfg.pp
+    dp = cfg.dp or world_size // model_parallel
+    fits = dp >= 1 and dp * model_parallel == world_size
+    require(fits, f"world size {world_size} does not fit tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp}"
+            + (f" x dp={cfg.dp}" if cfg.dp else ""), "parallel",
+            f"launch a multiple of {model_parallel} ranks" + (f" ({dp * model_parallel if cfg.dp else ''})" if cfg.dp else "")
+            + " or change the parallel sizes")
+    return {Axis.TP: cfg.tp, Axis.CP: cfg.cp, Axis.DP: dp, Axis.PP: cfg.pp}
+
+
+def rank_layout(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> dict[Axis, list[list[int]]]:
+    """For each axis, the list of rank groups along it (pure math, no processes)."""
+    world = math.prod(sizes.values())
+    # Slowest-varying axis first, so the first axis of `order` varies fastest across ranks.
+    dims = list(reversed(order))
+    ranks = torch.arange(world).reshape([sizes[a] for a in dims])
+    layout = {}
+    for axis in order:
+        d = dims.index(axis)
+        layout[axis] = ranks.movedim(d, -1).reshape(-1, sizes[axis]).tolist()
+    return layout
+
+
+@dataclass
+class AxisGroup:
+    """One rank's view of an axis (or a product of axes): size, rank, process group, byte counter."""
+
+    name: str
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None = None
+    ranks: list[int] = field(default_factory=list)  # global ranks in this rank's group
+    bytes_moved: int = 0  # bytes this rank sent over the group (ring algorithm volume)
+
+    def record(self, num_bytes: int) -> None:
+        self.bytes_moved += int(num_bytes)
+
+
+class Grid:
+    """Sizes, ranks and groups of each axis for this process. Build with `init_grid` or `Grid.serial()`."""
+
+    def __init__(self, sizes: dict[Axis, int], order: tuple[Axis, ...], rank: int = 0,
+                 device: torch.device | None = None, mesh=None):
+        self.sizes, self.order, self.global_rank = dict(sizes), tuple(order), rank
+        self.world_size = math.prod(sizes.values())
+        self.device = device or torch.device("cpu")
+        self.mesh = mesh  # torch DeviceMesh (dims slowest first), None for one process
+        self.layout = rank_layout(self.sizes, self.order)
+        self._axes: dict[str, AxisGroup] = {}
+
+    @classmethod
+    def serial(cls, device: torch.device | None = None) -> Grid:
+        """The grid of a one-process run: every axis has size 1."""
+        return cls({a: 1 for a in AXES}, AXES, 0, device)
+
+    def size(self, axis: Axis | str) -> int:
+        return self.sizes[Axis(axis)]
+
+    def rank(self, axis: Axis | str) -> int:
+        return self.axis(axis).rank
+
+    def group(self, *axes: Axis | str) -> dist.ProcessGroup | None:
+        return self.axis(*axes).group
+
+    def axis(self, *axes: Axis | str) -> AxisGroup:
+        """The AxisGroup of one axis or of the product of several (e.g. grid.axis('dp', 'cp'))."""
+        keys = tuple(sorted({Axis(a) for a in axes}, key=self.order.index))
+        name = "_".join(a.value for a in keys)
+        if name not in self._axes:
+            self._axes[name] = self._build_axis(keys, name)
+        return self._axes[name]
+
+    def _build_axis(self, keys: tuple[Axis, ...], name: str) -> AxisGroup:
+        size = math.prod(self.sizes[a] for a in keys)
+        ranks = self._group_ranks(keys)
+        group = None
+        if size > 1:
+            assert self.mesh is not None, "a multi-rank axis needs an initialized mesh"
+            mesh_names = [a.value for a in sorted(keys, key=lambda a: -self.order.index(a))]
+            sub = self.mesh[tuple(mesh_names)] if len(mesh_names) > 1 else self.mesh[mesh_names[0]]
+            group = sub._flatten(name).get_group() if len(mesh_names) > 1 else sub.get_group()
+        return AxisGroup(name, size, ranks.index(self.global_rank), group, ranks)
+
+    def _group_ranks(self, keys: tuple[Axis, ...]) -> list[int]:
+        """Global ranks sharing this rank's coordinates on every axis not in `keys`."""
+        dims = list(reversed(self.order))
+        grid = torch.arange(self.world_size).reshape([self.sizes[a] for a in dims])
+        coord = [int(c) for c in (grid == self.global_rank).nonzero()[0]]
+        index = tuple(slice(None) if a in keys else coord[i] for i, a in enumerate(dims))
+        return grid[index].flatten().tolist()
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes moved so far per axis (and per axis product) by this rank."""
+        return {name: g.bytes_moved for name, g in self._axes.items() if g.size > 1}
+
+    def reset_comm_bytes(self) -> None:
+        for g in self._axes.values():
+            g.bytes_moved = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.global_rank == 0
+
+    def describe(self) -> str:
+        """Human-readable layout: the groups of each axis."""
+        sizes = " ".join(f"{a.value}={self.sizes[a]}" for a in self.order)
+        lines = [f"world={self.world_size} {sizes} order={'-'.join(a.value for a in self.order)}"]
+        for axis in self.order:
+            lines.append(f"  {axis.value} groups: {self.layout[axis]}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Rank, world size and local rank as given by the launcher."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str = "single"
+
+
+def launch_env(environ=os.environ) -> LaunchEnv:
+    """Read torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/NTASKS/LOCALID) variables."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return LaunchEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)), "torchrun")
+    if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            require(var in environ, f"{var} is not set under Slurm", var,
+                    "export MASTER_ADDR=$(scontrol show hostnames $SLURM_NODELIST | head -n1) and MASTER_PORT=29500")
+        return LaunchEnv(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]),
+                         int(environ.get("SLURM_LOCALID", 0)), "slurm")
+    return LaunchEnv()
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_grid(cfg: ParallelConfig, env: LaunchEnv | None = None) -> dict[Axis, int]:
+    """Validate the grid against the launch environment without initializing anything."""
+    env = env or launch_env()
+    return resolve_sizes(cfg, env.world_size)
+
+
+def init_grid(cfg: ParallelConfig) -> Grid:
+    """Initialize torch.distributed (when there is more than one rank) and build the grid."""
+    env = launch_env()
+    sizes = resolve_sizes(cfg, env.world_size)
+    order = parse_order(cfg.order)
+    device = pick_device(env.local_rank)
+    if env.world_size == 1:
+        return Grid(sizes, order, 0, device)
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", str(env.rank))
+        os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    mesh = build_mesh(sizes, order, device)
+    return Grid(sizes, order, env.rank, device, mesh)
+
+
+def build_mesh(sizes: dict[Axis, int], order: tuple[Axis, ...], device: torch.device):
+    """A DeviceMesh whose dims run slowest-first (reverse of `order`), named by axis."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = list(reversed(order))
+    return init_device_mesh(device.type, tuple(sizes[a] for a in dims), mesh_dim_names=tuple(a.value for a in dims))
+
+
+def destroy_grid() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def layout_main(argv: list[str] | None = None) -> int:
+    """`python -m utils.comm tp=4 dp=2 order=tp-dp`: print the rank groups without launching anything."""
+    import sys
+
+    args = dict(a.split("=", 1) for a in (argv if argv is not None else sys.argv[1:]))
+    try:
+        cfg = ParallelConfig(**{k: (v if k == "order" else int(v)) for k, v in args.items() if k != "world"})
+        world = int(args.get("world", 0)) or cfg.tp * cfg.cp * cfg.pp * max(cfg.dp, 1)
+        grid = Grid(resolve_sizes(cfg, world), parse_order(cfg.order))
+    except (ConfigError, TypeError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(grid.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(layout_main())

@@ -1,0 +1,125 @@
+"""The config tree: typed schemas registered with Hydra, composition from the command line, errors.
+
+`load_config(argv)` composes config/config.yaml with the command-line overrides (Hydra's compose API,
+version_base pinned), converts once to dataclasses with OmegaConf.to_object (which runs every schema's
+__post_init__ validation) and maps every Hydra/OmegaConf failure to a one-line ConfigError.
+Below the entry point nothing sees a DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from networks.transformer import GPTConfig
+from networks.vit import ViTConfig
+from utils.comm import ParallelConfig
+from utils.era5 import ERA5Config
+from utils.errors import ConfigError
+from utils.optim import OptimConfig
+from utils.precision import PrecisionConfig
+from utils.trainer import TrainerConfig
+from utils.wikitext import WikiTextConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")
+
+
+@dataclass
+class RunConfig:
+    """Schema of the `run` section: where a run writes."""
+
+    dir: str | None = None  # everything a run writes; None = <root>/<model>-<data>-<layout>-<precision>[-<tag>]
+    root: str = "outputs"  # parent of default run directories (`tensorboard --logdir outputs`)
+    tag: str = ""  # appended to the default run directory name, to tell runs apart
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run."""
+
+    model: Any = MISSING  # ViTConfig or GPTConfig (config/model/)
+    data: Any = MISSING  # ERA5Config or WikiTextConfig (config/data/)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="model", name="vit_schema", node=ViTConfig)
+    cs.store(group="model", name="gpt_schema", node=GPTConfig)
+    cs.store(group="data", name="era5_schema", node=ERA5Config)
+    cs.store(group="data", name="wikitext_schema", node=WikiTextConfig)
+    cs.store(group="precision", name="precision_schema", node=PrecisionConfig)
+    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+
+
+def presets(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _setting_of(message: str, argv: list[str]) -> str:
+    """The command-line override an error message is about (or the whole command line)."""
+    for arg in argv:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if f"'{key}'" in message or f" {arg}" in message or f" {key}=" in message:
+            return arg
+    return "command line"
+
+
+def _translate(err: Exception, argv: list[str]) -> ConfigError:
+    """Hydra/OmegaConf exceptions -> one-line ConfigError naming the setting and the fix."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    setting = _setting_of(str(err), argv)
+    if isinstance(err, MissingConfigException):
+        group = next((g for g in GROUPS if f"'{g}/" in str(err)), None)
+        if group:
+            choice = setting.split("=", 1)[-1]
+            return ConfigError(f"unknown {group} preset '{choice}'", setting,
+                               f"choose one of {', '.join(presets(group))}")
+        return ConfigError(message, setting, "check the preset name")
+    if isinstance(err, OverrideParseException):
+        return ConfigError(f"cannot parse override: {message}", setting, "write overrides as key=value")
+    cause = err.__cause__ if isinstance(err, ConfigCompositionException) else err
+    if cause is not None and "not in struct" in str(cause) or "Could not override" in message:
+        return ConfigError(f"unknown setting '{setting.split('=', 1)[0]}'", setting,
+                           "check the spelling; `python train.py --cfg` prints every setting")
+    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else message
+    return ConfigError(f"bad value: {detail}", setting, "give a value of the type the setting expects")
+
+
+def compose_config(argv: list[str]):
+    """The composed DictConfig (with hydra.runtime.choices) for these overrides."""
+    register_schemas()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR), job_name="train"):
+        try:
+            return compose(config_name="config", overrides=list(argv), return_hydra_config=True)
+        except (ConfigCompositionException, MissingConfigException, OverrideParseException,
+                OmegaConfBaseException) as err:
+            raise _translate(err, argv) from None
+
+
+def load_config(argv: list[str]) -> tuple[Config, dict[str, str], str]:
+    """(typed config, chosen preset per group, resolved YAML) for these command-line overrides."""
+    composed = compose_config(argv)
+    choices = {g: str(composed.hydra.runtime.choices.get(g)) for g in GROUPS}
+    del composed.hydra
+    try:
+        cfg = OmegaConf.to_object(composed)
+    except OmegaConfBaseException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        raise _translate(err, argv) from None
+    return cfg, choices, OmegaConf.to_yaml(composed)

@@ -1,0 +1,90 @@
+"""Layout-invariant batching: every dp rank reads its slice of the same global batch.
+
+The global batch at step s is a fixed function of (seed, s): epoch e = s // steps_per_epoch is a
+permutation of the training set drawn from seed + e, and step s takes the next `global_batch_size`
+indices of it. A dp rank takes its contiguous 1/dp of them. So the samples a step sees do not depend
+on dp, tp, cp, pp or order, and a resumed run continues from its step with no saved loader state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from utils.errors import require
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Index lists of this dp rank's part of each global batch, from `start_step` on, without end."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 start_step: int = 0, shuffle: bool = True):
+        assert global_batch_size % dp_size == 0 and 0 <= dp_rank < dp_size
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.local = global_batch_size // dp_size
+        self.dp_rank, self.seed, self.start_step, self.shuffle = dp_rank, seed, start_step, shuffle
+        self.steps_per_epoch = num_samples // global_batch_size
+        assert self.steps_per_epoch >= 1
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def global_batch(self, step: int) -> list[int]:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        start = index * self.global_batch_size
+        return self.epoch_order(epoch)[start:start + self.global_batch_size].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start_step
+        while True:
+            epoch, index = divmod(step, self.steps_per_epoch)
+            order = self.epoch_order(epoch)
+            for i in range(index, self.steps_per_epoch):
+                batch = order[i * self.global_batch_size:(i + 1) * self.global_batch_size]
+                yield batch[self.dp_rank * self.local:(self.dp_rank + 1) * self.local].tolist()
+            step = (epoch + 1) * self.steps_per_epoch
+
+
+def shard_range(n: int, rank: int, size: int) -> range:
+    """Contiguous, nearly equal part `rank` of range(n) (validation sets split over dp)."""
+    return range(n * rank // size, n * (rank + 1) // size)
+
+
+@dataclass
+class Loaders:
+    train: DataLoader
+    val: DataLoader
+    steps_per_epoch: int
+
+
+def check_batch(global_batch_size: int, dp: int, grad_accum_steps: int, num_samples: int) -> None:
+    """User errors of the batch settings, raised before any work."""
+    require(global_batch_size > 0, f"global_batch_size must be positive, got {global_batch_size}",
+            "trainer.global_batch_size", "set a positive batch size")
+    require(grad_accum_steps > 0, "grad_accum_steps must be positive", "trainer.grad_accum_steps", "set 1 or more")
+    require(global_batch_size % (dp * grad_accum_steps) == 0,
+            f"global_batch_size {global_batch_size} is not divisible by dp={dp} x grad_accum_steps={grad_accum_steps}",
+            "trainer.global_batch_size", f"use a multiple of {dp * grad_accum_steps}")
+    require(num_samples >= global_batch_size,
+            f"the training set has {num_samples} samples, fewer than one global batch of {global_batch_size}",
+            "trainer.global_batch_size", "lower the batch size or raise data.limit_nsamples")
+
+
+def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: int, dp_rank: int, dp_size: int,
+                  seed: int, start_step: int, num_workers: int, pin_memory: bool) -> Loaders:
+    """Train loader over GlobalBatchSampler from `start_step`; val loader over this rank's val shard."""
+    sampler = GlobalBatchSampler(len(train_set), global_batch_size, dp_rank, dp_size, seed, start_step)
+    workers = {"num_workers": num_workers, "pin_memory": pin_memory, "persistent_workers": num_workers > 0}
+    if num_workers > 0:
+        workers["prefetch_factor"] = 4
+    train = DataLoader(train_set, batch_sampler=sampler, **workers)
+    val_part = torch.utils.data.Subset(val_set, shard_range(len(val_set), dp_rank, dp_size))
+    val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
+                     num_workers=min(num_workers, 2), pin_memory=pin_memory)
+    return Loaders(train, val, sampler.steps_per_epoch)

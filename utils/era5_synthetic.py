@@ -1,0 +1,117 @@
+"""A synthetic ERA5 in the NERSC on-disk layout: smooth, advected, evolving fields for 20 channels.
+
+Each channel is a latitude-dependent climatology plus anomalies built from a shared set of zonal
+waves. Waves travel east at a latitude-dependent speed (a jet), their amplitudes oscillate slowly, and
+channels mix the waves with fixed weights, so the state at t+dt is a smooth, learnable function of the
+state at t that persistence (predicting no change) does not capture. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from utils.era5 import CHANNELS
+
+GRID = (32, 64)  # (lat, lon) points: a 5.625-degree grid
+YEARS = {"train": [2016, 2017], "valid": [2018], "test": [2019]}
+STEPS_PER_YEAR = {"train": 64, "valid": 32, "test": 16}
+NUM_WAVES = 12
+VERSION = 1
+
+
+def _channel_climatology(lat: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean field (C, H, 1) and anomaly scale (C,), in loosely physical units."""
+    coslat = np.cos(np.deg2rad(lat))[None, :, None]
+    offset = rng.uniform(-1, 1, size=(len(CHANNELS), 1, 1)) * 10.0
+    offset[2] += 250.0  # t2m ~ kelvin
+    offset[3] += 1000.0  # sp ~ hPa
+    amplitude = rng.uniform(5, 40, size=(len(CHANNELS), 1, 1))
+    scale = rng.uniform(1, 10, size=len(CHANNELS))
+    return offset + amplitude * coslat, scale
+
+
+def _waves(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        "m": rng.integers(1, 6, size=NUM_WAVES),  # zonal wavenumber
+        "lat0": rng.uniform(-60, 60, size=NUM_WAVES),  # band centre (deg)
+        "width": rng.uniform(15, 35, size=NUM_WAVES),  # band width (deg)
+        "amp_period": rng.uniform(20, 60, size=NUM_WAVES),  # steps per amplitude cycle
+        "mix": rng.normal(size=(len(CHANNELS), NUM_WAVES)) / np.sqrt(NUM_WAVES),
+    }
+
+
+def make_year(num_steps: int, waves: dict, clim: np.ndarray, scale: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Fields [T, C, H, W] float32 for one year with its own random phases."""
+    h, w = GRID
+    lat = np.linspace(90, -90, h, endpoint=False) - 90.0 / h
+    lon = np.linspace(0, 2 * np.pi, w, endpoint=False)
+    jet = 0.12 + 0.10 * np.cos(np.deg2rad(2 * lat))  # eastward phase speed (rad/step) by latitude
+    phase = rng.uniform(0, 2 * np.pi, size=NUM_WAVES)
+    amp_phase = rng.uniform(0, 2 * np.pi, size=NUM_WAVES)
+    envelope = np.exp(-(((lat[None, :] - waves["lat0"][:, None]) / waves["width"][:, None]) ** 2))  # (K, H)
+    t = np.arange(num_steps)[:, None, None, None]  # (T, 1, 1, 1)
+    m = waves["m"][None, :, None, None]
+    shift = jet[None, None, :, None] * t  # (T, 1, H, 1)
+    angle = m * (lon[None, None, None, :] - shift) + phase[None, :, None, None]  # (T, K, H, W)
+    amp = 1.0 + 0.5 * np.sin(2 * np.pi * t / waves["amp_period"][None, :, None, None] + amp_phase[None, :, None, None])
+    wave_fields = amp * envelope[None, :, :, None] * np.cos(angle)  # (T, K, H, W)
+    anomalies = np.einsum("ck,tkhw->tchw", waves["mix"], wave_fields)
+    fields = clim[None] + scale[None, :, None, None] * anomalies
+    return fields.astype(np.float32)
+
+
+def generate(root: Path, seed: int = 0) -> None:
+    """Write train/valid/test yearly files and stats/ under `root` (which must not exist yet)."""
+    rng = np.random.default_rng(seed)
+    h, _ = GRID
+    lat = np.linspace(90, -90, h, endpoint=False) - 90.0 / h
+    clim, scale = _channel_climatology(lat, rng)
+    waves = _waves(rng)
+    train = []
+    for split, years in YEARS.items():
+        (root / split).mkdir(parents=True)
+        for year in years:
+            fields = make_year(STEPS_PER_YEAR[split], waves, clim, scale, np.random.default_rng([seed, year]))
+            with h5py.File(root / split / f"{year}.h5", "w") as f:
+                f.create_dataset("fields", data=fields)
+            if split == "train":
+                train.append(fields)
+    stack = np.concatenate(train).astype(np.float64)
+    (root / "stats").mkdir()
+    np.save(root / "stats" / "global_means.npy", stack.mean(axis=(0, 2, 3), keepdims=True).astype(np.float32))
+    np.save(root / "stats" / "global_stds.npy", stack.std(axis=(0, 2, 3), keepdims=True).astype(np.float32))
+    np.save(root / "stats" / "time_means.npy", stack.mean(axis=0, keepdims=True).astype(np.float32))
+
+
+def default_cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "dlscale" / f"era5_synthetic_v{VERSION}"
+
+
+def ensure_synthetic(root: Path | None, seed: int = 0) -> Path:
+    """Generate the synthetic dataset at `root` (default: the user cache) unless it is already there.
+
+    Written to a temporary folder and renamed into place, so concurrent ranks never see half a dataset;
+    when two processes race, the first rename wins and the other copy is discarded (they are identical).
+    """
+    root = Path(root) if root else default_cache_dir()
+    if (root / "stats" / "global_stds.npy").is_file():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".era5_synthetic-", dir=root.parent))
+    try:
+        generate(tmp / "data", seed)
+        try:
+            os.rename(tmp / "data", root)
+        except OSError:
+            if not (root / "stats" / "global_stds.npy").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root

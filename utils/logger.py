@@ -1,0 +1,100 @@
+"""Run logging: a log file and console lines, a live progress line on terminals, TensorBoard events.
+
+Only rank 0 writes; other ranks get a logger that drops everything except warnings.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def setup_logging(run_dir: Path | None, is_main: bool) -> logging.Logger:
+    """Logger 'dlscale' (console + run.dir/train.log) and its child 'dlscale.file' (the file only)."""
+    log, file_log = logging.getLogger("dlscale"), logging.getLogger("dlscale.file")
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    for logger in (log, file_log):
+        logger.handlers.clear()
+        logger.propagate = False
+        logger.setLevel(logging.INFO if is_main else logging.WARNING)
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    log.addHandler(console)
+    if is_main and run_dir is not None:
+        file = logging.FileHandler(Path(run_dir) / "train.log")
+        file.setFormatter(fmt)
+        log.addHandler(file)
+        file_log.addHandler(file)
+    return log
+
+
+class Progress:
+    """A live status line (step, loss, samples/s, ETA) on a terminal; plain log lines otherwise."""
+
+    def __init__(self, log: logging.Logger, max_steps: int, log_every: int, is_main: bool):
+        self.log, self.max_steps, self.log_every = log, max_steps, log_every
+        self.live = is_main and sys.stdout.isatty()
+        self.enabled = is_main
+        self.start = time.perf_counter()
+        self.start_step: int | None = None
+
+    def update(self, step: int, loss: float, samples_per_sec: float, lr: float) -> None:
+        if not self.enabled:
+            return
+        if self.start_step is None:
+            self.start_step, self.start = step, time.perf_counter()
+        done = step + 1 - self.start_step
+        per_step = (time.perf_counter() - self.start) / max(1, done)
+        eta = per_step * (self.max_steps - step - 1)
+        text = (f"step {step + 1}/{self.max_steps} loss {loss:.5f} lr {lr:.3g} "
+                f"{samples_per_sec:.1f} samples/s ETA {eta:.0f}s")
+        if self.live:
+            sys.stdout.write("\r" + text + " " * 8)
+            sys.stdout.flush()
+            if step + 1 == self.max_steps:
+                sys.stdout.write("\n")
+        if step % self.log_every == 0 or step + 1 == self.max_steps:
+            (logging.getLogger("dlscale.file") if self.live else self.log).info(text)
+
+    def message(self, text: str) -> None:
+        """A log line that does not collide with the live status line."""
+        if self.live:
+            sys.stdout.write("\r")
+        self.log.info(text)
+
+
+class TensorBoard:
+    """One TensorBoard event stream per run (rank 0 only)."""
+
+    def __init__(self, run_dir: Path, is_main: bool):
+        self.writer = None
+        if is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir))
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """`image`: (3, H, W) float in [0, 1]."""
+        if self.writer:
+            self.writer.add_image(tag, image, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.writer:
+            self.writer.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        if self.writer:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()

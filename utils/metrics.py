@@ -1,0 +1,26 @@
+"""Losses and validation metrics of the ERA5 workload (the NERSC tutorial's definitions)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RelativeL2Loss(nn.Module):
+    """Mean over samples and channels of ||pred - target||_2 / ||target||_2 over the (H, W) grid."""
+
+    def forward(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred, target = pred.float(), target.float()
+        num = (pred - target).pow(2).sum(dim=(-2, -1))  # (B, C)
+        den = target.pow(2).sum(dim=(-2, -1)).clamp_min(1e-12)
+        return (num / den).sqrt().mean()
+
+
+def weighted_sq_error(pred: torch.Tensor, target: torch.Tensor, lat_weights: torch.Tensor) -> torch.Tensor:
+    """Latitude-weighted mean squared error per sample and channel, (B, C); weights (H, 1) mean 1."""
+    return ((pred.float() - target.float()).pow(2) * lat_weights).mean(dim=(-2, -1))
+
+
+def weighted_rmse(pred: torch.Tensor, target: torch.Tensor, lat_weights: torch.Tensor) -> torch.Tensor:
+    """Latitude-weighted RMSE per channel, averaged over the batch: (C,)."""
+    return weighted_sq_error(pred, target, lat_weights).sqrt().mean(dim=0)

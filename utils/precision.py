@@ -1,0 +1,50 @@
+"""Numerical precision: the `precision=` schema, autocast contexts, TF32 switches and the grad scaler."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from utils.errors import require
+
+MODES = ("fp32", "tf32", "bf16", "fp16")
+
+
+@dataclass
+class PrecisionConfig:
+    """Schema of `precision=`: compute precision of the train step."""
+
+    mode: str = "fp32"  # fp32 | tf32 (fp32 storage, TF32 matmuls on GPU) | bf16 | fp16 (autocast)
+    compile: bool = False  # compile each transformer block with torch.compile
+
+    def __post_init__(self):
+        require(self.mode in MODES, f"unknown precision mode '{self.mode}'", "precision.mode",
+                f"choose one of {', '.join(MODES)}")
+
+
+def autocast_dtype(mode: str) -> torch.dtype | None:
+    """The autocast dtype of a mode (None: no autocast)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+
+
+def configure_matmul(mode: str) -> None:
+    """Switch TF32 through torch's settings: on for tf32 (and for AMP's fp32 leftovers), off for fp32."""
+    allow = mode != "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    torch.backends.cudnn.allow_tf32 = allow
+    torch.set_float32_matmul_precision("high" if allow else "highest")
+
+
+def autocast(mode: str, device: torch.device):
+    """Autocast context for the forward pass of a mode (a null context for fp32/tf32)."""
+    dtype = autocast_dtype(mode)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(mode: str, device: torch.device) -> torch.amp.GradScaler:
+    """A loss scaler, enabled for fp16 only (bf16 has fp32's range)."""
+    return torch.amp.GradScaler(device.type, enabled=mode == "fp16")

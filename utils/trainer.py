@@ -1,0 +1,179 @@
+"""The one training loop: forward, loss, backward, step, schedule, validation, logging, checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from utils.checkpoint import Checkpointer, rng_state, set_rng_state
+from utils.comm import Axis, Grid
+from utils.errors import require
+from utils.logger import Progress, TensorBoard
+from utils.precision import autocast
+
+
+@dataclass
+class TrainerConfig:
+    """Schema of the `trainer` section: how long, how big, how often."""
+
+    max_steps: int = 300  # optimizer steps of the whole run (the schedule spans them)
+    global_batch_size: int = 16  # samples per optimizer step, over all data-parallel ranks
+    seed: int = 0  # seeds weights, data order and dropout; same seed = same run in any layout
+    log_every: int = 10  # steps between log lines (TensorBoard gets every step)
+    val_every: int = 100  # steps between validations (0 = only at the end)
+    ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
+    ckpt_keep: int = 2  # checkpoints kept on disk
+    resume: str = "auto"  # auto (latest of run.dir) | never | PATH to a step_* folder
+    num_workers: int = 2  # DataLoader worker processes per rank
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+
+    def __post_init__(self):
+        for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
+            value = getattr(self, name)
+            require(value > 0, f"{name} must be positive, got {value}", f"trainer.{name}", "set a positive integer")
+        for name in ("val_every", "ckpt_every", "num_workers"):
+            require(getattr(self, name) >= 0, f"{name} must be >= 0", f"trainer.{name}", "set 0 or more")
+        require(bool(self.resume), "resume is empty", "trainer.resume", "use auto, never or a checkpoint path")
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+
+
+class Trainer:
+    """Runs `max_steps` optimizer steps of a built model on a built task; see utils/build.py."""
+
+    def __init__(self, *, cfg, grid: Grid, task, model, raw_model, optimizer, scheduler, scaler, loaders,
+                 run_dir, log, start_step: int = 0):
+        self.cfg, self.tc, self.grid, self.task = cfg, cfg.trainer, grid, task
+        self.model, self.raw_model = model, raw_model
+        self.optimizer, self.scheduler, self.scaler, self.loaders = optimizer, scheduler, scaler, loaders
+        self.run_dir, self.log, self.step = run_dir, log, start_step
+        self.device = grid.device
+        self.autocast = partial(autocast, cfg.precision.mode, self.device)
+        self.dp = grid.axis(Axis.DP)
+        self.checkpointer = Checkpointer(run_dir, grid.global_rank, self.tc.ckpt_keep)
+        self.tb = TensorBoard(run_dir, grid.is_main)
+        self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
+        self.flops_per_sample = task.flops_per_sample(raw_model.matmul_params())
+
+    def state(self) -> dict:
+        return {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "step": self.step, "rng": rng_state()}
+
+    def load_state(self, state: dict) -> None:
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        set_rng_state(state["rng"])
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the local batch, split into grad_accum_steps micro-batches."""
+        micro = self.tc.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
+            sync = i == micro - 1  # reduce gradients over dp only after the last micro-batch
+            with self.no_sync(not sync), self.autocast():
+                loss = self.raw_model.criterion(self.model(x), y) / micro
+            self.scaler.scale(loss).backward()
+            total += loss.detach()
+        self.finish_grads()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = self.clip_grad_norm()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return self.mean_over_dp(total), grad_norm
+
+    def no_sync(self, skip: bool):
+        return self.model.no_sync() if skip and hasattr(self.model, "no_sync") else contextlib.nullcontext()
+
+    def finish_grads(self) -> None:
+        """Reduce gradients that are partial sums over model-parallel axes (none without tp/cp)."""
+        if self.grid.world_size > 1:
+            from distributed.data_parallel import sync_partial_grads
+
+            sync_partial_grads(self.raw_model, grid=self.grid)
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        from distributed.grad_norm import clip_grad_norm
+
+        return clip_grad_norm(self.raw_model, grid=self.grid, max_norm=self.cfg.optim.grad_clip)
+
+    def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp.size > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.dp.group)
+            value /= self.dp.size
+        return value
+
+    def fit(self) -> None:
+        if self.step >= self.tc.max_steps:
+            self.log.info(f"run.dir already holds a finished run at step {self.step}; nothing to do "
+                          "(set trainer.resume=never or another run.tag to start over)")
+            return
+        self.log.info(f"training from step {self.step} to {self.tc.max_steps}")
+        batches = iter(self.loaders.train)
+        self.model.train()
+        while self.step < self.tc.max_steps:
+            t0 = time.perf_counter()
+            x, y = next(batches)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            t1 = time.perf_counter()
+            self.grid.reset_comm_bytes()
+            loss, grad_norm = self.train_step(x, y)
+            loss_value = loss.item()
+            require(math.isfinite(loss_value) or self.scaler.is_enabled(), f"loss is {loss_value} at step {self.step}",
+                    "optim.lr", "lower the learning rate or use precision=bf16/fp32")
+            self.log_step(loss_value, grad_norm.item(), t0, t1, time.perf_counter())
+            self.step += 1
+            self.maybe_validate_and_save()
+        self.tb.close()
+
+    def log_step(self, loss: float, grad_norm: float, t0: float, t1: float, t2: float) -> None:
+        step_time = t2 - t0
+        batch = self.tc.global_batch_size
+        lr = self.scheduler.get_last_lr()[0]
+        values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                  "perf/step_time_ms": 1e3 * step_time, "perf/data_wait_ms": 1e3 * (t1 - t0),
+                  "perf/samples_per_sec": batch / step_time,
+                  "perf/tokens_per_sec": batch * self.task.tokens_per_sample() / step_time,
+                  "perf/tflops_per_sec": self.flops_per_sample * batch / step_time / self.grid.world_size / 1e12,
+                  "mem/peak_gib": peak_memory_gib(self.device)}
+        values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})
+        self.tb.scalars(values, self.step)
+        self.progress.update(self.step, loss, batch / step_time, lr)
+
+    def maybe_validate_and_save(self) -> None:
+        last = self.step == self.tc.max_steps
+        if last or (self.tc.val_every and self.step % self.tc.val_every == 0):
+            self.validate()
+        if last or (self.tc.ckpt_every and self.step % self.tc.ckpt_every == 0):
+            path = self.checkpointer.save(self.step, self.state())
+            self.progress.message(f"saved checkpoint {path}")
+
+    def validate(self) -> dict[str, float]:
+        self.model.eval()
+        t0 = time.perf_counter()
+        metrics = self.task.evaluate(self.raw_model, self.raw_model.criterion, self.loaders.val, device=self.device,
+                                     autocast=self.autocast, dp=self.dp, writer=self.tb, step=self.step)
+        self.model.train()
+        self.tb.scalars(metrics, self.step)
+        self.tb.flush()
+        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in self.task.headline_metrics if k in metrics)
+        self.progress.message(f"step {self.step} validation ({time.perf_counter() - t0:.1f}s): {shown}")
+        return metrics
