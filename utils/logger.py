@@ -70,12 +70,13 @@ class Progress:
 class TensorBoard:
     """One TensorBoard event stream per run (rank 0 only)."""
 
-    def __init__(self, run_dir: Path, is_main: bool):
+    def __init__(self, run_dir: Path, is_main: bool, start_step: int = 0):
         self.writer = None
         if is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir))
+            # purge_step hides events a crashed run wrote after the checkpoint we resume from
+            self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=start_step or None)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self.writer:

@@ -34,6 +34,7 @@ class TrainerConfig:
     num_workers: int = 2  # DataLoader worker processes per rank
     grad_accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    stop_at_step: int | None = None  # end this invocation after this step with a checkpoint (job time limits)
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
@@ -41,6 +42,8 @@ class TrainerConfig:
             require(value > 0, f"{name} must be positive, got {value}", f"trainer.{name}", "set a positive integer")
         for name in ("val_every", "ckpt_every", "num_workers"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0", f"trainer.{name}", "set 0 or more")
+        require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
+                "trainer.stop_at_step", "set null or a positive step")
         require(bool(self.resume), "resume is empty", "trainer.resume", "use auto, never or a checkpoint path")
 
 
@@ -63,7 +66,7 @@ class Trainer:
         self.autocast = partial(autocast, cfg.precision.mode, self.device)
         self.dp = grid.axis(Axis.DP)
         self.checkpointer = Checkpointer(run_dir, grid.global_rank, self.tc.ckpt_keep)
-        self.tb = TensorBoard(run_dir, grid.is_main)
+        self.tb = TensorBoard(run_dir, grid.is_main, start_step)
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
         self.flops_per_sample = task.flops_per_sample(raw_model.matmul_params())
 
@@ -129,7 +132,8 @@ class Trainer:
         self.log.info(f"training from step {self.step} to {self.tc.max_steps}")
         batches = iter(self.loaders.train)
         self.model.train()
-        while self.step < self.tc.max_steps:
+        stop = min(self.tc.max_steps, self.tc.stop_at_step or self.tc.max_steps)
+        while self.step < stop:
             t0 = time.perf_counter()
             x, y = next(batches)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -141,7 +145,7 @@ class Trainer:
                     "optim.lr", "lower the learning rate or use precision=bf16/fp32")
             self.log_step(loss_value, grad_norm.item(), t0, t1, time.perf_counter())
             self.step += 1
-            self.maybe_validate_and_save()
+            self.maybe_validate_and_save(stop)
         self.tb.close()
 
     def log_step(self, loss: float, grad_norm: float, t0: float, t1: float, t2: float) -> None:
@@ -158,11 +162,11 @@ class Trainer:
         self.tb.scalars(values, self.step)
         self.progress.update(self.step, loss, batch / step_time, lr)
 
-    def maybe_validate_and_save(self) -> None:
+    def maybe_validate_and_save(self, stop: int) -> None:
         last = self.step == self.tc.max_steps
         if last or (self.tc.val_every and self.step % self.tc.val_every == 0):
             self.validate()
-        if last or (self.tc.ckpt_every and self.step % self.tc.ckpt_every == 0):
+        if self.step == stop or (self.tc.ckpt_every and self.step % self.tc.ckpt_every == 0):
             path = self.checkpointer.save(self.step, self.state())
             self.progress.message(f"saved checkpoint {path}")
 

@@ -1,0 +1,36 @@
+"""Shared fixtures: a synthetic ERA5 copy made once per session, and a runner for the entry points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def era5_root(tmp_path_factory) -> Path:
+    from utils.era5_synthetic import ensure_synthetic
+
+    return ensure_synthetic(tmp_path_factory.mktemp("era5") / "synthetic")
+
+
+def run_entry(script: str, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run an entry point (train.py, train_mp.py) as users do, with a bounded time."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a run's TensorBoard events: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

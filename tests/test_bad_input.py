@@ -1,0 +1,56 @@
+"""Bad input: exit 2, one line `error: <what> (<setting>): <fix>` on stderr, no traceback, no training."""
+
+import pytest
+
+from tests.conftest import run_entry
+
+
+def check_error(args, setting, tmp_path):
+    proc = run_entry("train.py", f"run.dir={tmp_path / 'run'}", *args, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert f"({setting}" in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,setting", [
+    (["data=era5"], "data.root"),
+    (["data=era5", "data.root=/nonexistent/era5"], "data.root"),
+    (["model.embed_dim=130"], "model.embed_dim"),
+    (["model=nope"], "model=nope"),
+    (["trainer.max_steps=-1"], "trainer.max_steps"),
+    (["trainer.global_batch_size=0"], "trainer.global_batch_size"),
+    (["model.depthh=3"], "model.depthh"),
+])
+def test_config_errors(args, setting, tmp_path):
+    check_error(args, setting, tmp_path)
+
+
+def test_data_errors(tmp_path, era5_root):
+    root = f"data.root={era5_root}"
+    check_error([root, "data.img_size=[64,64]"], "data.img_size", tmp_path)
+    check_error([root, "data.img_size=[30,64]"], "data.img_size", tmp_path)
+    check_error([root, "data.channels=[u10m,v10m]"], "data.channels", tmp_path)
+    empty = tmp_path / "empty"
+    (empty / "train").mkdir(parents=True)
+    check_error([f"data.root={empty}", "data=era5"], "data.root", tmp_path)
+
+
+def test_truncated_file(tmp_path, era5_root):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(era5_root, copy)
+    path = copy / "train" / "2017.h5"
+    path.write_bytes(path.read_bytes()[:100_000])
+    line = check_error([f"data.root={copy}"], "data.root", tmp_path)
+    assert "2017.h5" in line
+
+
+def test_world_size_that_does_not_fit(tmp_path):
+    proc = run_entry("train.py", "parallel.tp=2", env={"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                                       "MASTER_PORT": "1"}, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: world size 3 does not fit tp=2"), proc.stderr

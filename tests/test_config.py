@@ -1,0 +1,70 @@
+"""Config tree: presets compose into typed dataclasses; typos, wrong types and bad values are rejected."""
+
+import pytest
+
+from networks.vit import ViTConfig
+from utils.config import load_config, presets
+from utils.errors import ConfigError
+
+
+def test_default_composes_to_typed_dataclasses():
+    cfg, choices, yaml = load_config([])
+    assert isinstance(cfg.model, ViTConfig)
+    assert choices["model"] == "vit_tiny" and choices["data"] == "era5_synthetic"
+    assert cfg.data.synthetic and cfg.data.img_size == [32, 64]
+    assert cfg.parallel.tp == 1 and cfg.precision.mode == "fp32"
+    assert "embed_dim" in yaml
+
+
+def test_seed_base_and_mp_models():
+    base, _, _ = load_config(["model=vit_base", "data=era5"])
+    assert (base.model.embed_dim, base.model.depth, base.model.num_heads, base.model.patch_size) == (384, 12, 8, 8)
+    assert base.data.img_size == [360, 720] and len(base.data.channels) == 20 and base.data.channels[0] == "u10m"
+    large, _, _ = load_config(["model=vit_large"])
+    assert large.model.embed_dim == 1536
+
+
+@pytest.mark.parametrize("name,batch,lr", [("bs16_opt", 16, 5e-4), ("bs64_opt", 64, 1e-3), ("bs1024_opt", 1024, 4e-3),
+                                           ("mp", 64, 1e-3), ("mp_bs32", 32, 7.07e-4)])
+def test_experiments_carry_the_seed_values(name, batch, lr):
+    cfg, choices, _ = load_config([f"experiment={name}"])
+    assert cfg.trainer.global_batch_size == batch and cfg.optim.lr == pytest.approx(lr)
+    assert cfg.precision.mode == "fp16" and cfg.precision.compile
+    assert choices["data"] == "era5"
+
+
+def test_short_limits_samples():
+    cfg, _, _ = load_config(["experiment=short"])
+    assert (cfg.data.limit_nsamples, cfg.data.limit_nsamples_val, cfg.trainer.max_steps) == (512, 128, 128)
+    patch4, _, _ = load_config(["experiment=mp_patch4"])
+    assert patch4.model.patch_size == 4 and patch4.model.embed_dim == 1536
+
+
+def test_every_preset_composes():
+    for group in ("model", "precision", "parallel", "optim", "experiment"):
+        for name in presets(group):
+            load_config([f"{group}={name}"])
+
+
+@pytest.mark.parametrize("override,setting", [
+    ("model.embed_dimm=3", "model.embed_dimm"),  # typo
+    ("trainer.max_steps=abc", "trainer.max_steps"),  # wrong type
+    ("model=vit_huge", "model=vit_huge"),  # unknown preset
+    ("model.embed_dim=100", "model.embed_dim"),  # not divisible by heads
+    ("trainer.max_steps=0", "trainer.max_steps"),
+    ("trainer.global_batch_size=-4", "trainer.global_batch_size"),
+    ("precision.mode=fp8", "precision.mode"),
+    ("parallel.order=tp-xx", "parallel.order"),
+    ("optim.name=sgd", "optim.name"),
+])
+def test_bad_settings_raise_config_error(override, setting):
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    assert setting in info.value.setting
+    assert info.value.fix
+
+
+def test_unknown_preset_lists_choices():
+    with pytest.raises(ConfigError) as info:
+        load_config(["model=vit_huge"])
+    assert "vit_base" in info.value.fix and "schema" not in info.value.fix
