@@ -50,7 +50,7 @@ def test_every_preset_composes():
     ("model.embed_dimm=3", "model.embed_dimm"),  # typo
     ("trainer.max_steps=abc", "trainer.max_steps"),  # wrong type
     ("model=vit_huge", "model=vit_huge"),  # unknown preset
-    ("model.embed_dim=100", "model.embed_dim"),  # not divisible by heads
+    ("model.embed_dim=130", "model.embed_dim"),  # not divisible by heads
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("trainer.global_batch_size=-4", "trainer.global_batch_size"),
     ("precision.mode=fp8", "precision.mode"),

@@ -39,23 +39,33 @@ class WeatherTask:
     unit = "patches"
     headline_metrics = ("val/loss", "val/rmse/u10m")
 
-    def __init__(self, data: ERA5Config, model_cfg: ViTConfig, seed: int):
+    def __init__(self, data: ERA5Config, model_cfg: ViTConfig):
         require(isinstance(model_cfg, ViTConfig), "the ERA5 data needs a ViT model", "model",
                 "use model=vit_tiny, vit_base or vit_large with data=era5*")
+        p = model_cfg.patch_size
+        require(data.img_size[0] % p == 0 and data.img_size[1] % p == 0,
+                f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
+                f"choose a crop whose sides are multiples of model.patch_size={p}")
+        self.cfg, self.model_cfg = data, model_cfg
+        self.train_set = self.val_set = None
+
+    def load_data(self) -> None:
+        """Find (or generate) the files and inspect them; every data error is raised here."""
+        data = self.cfg
         if data.synthetic:
             root = ensure_synthetic(Path(data.root) if data.root else None)
         else:
             require(bool(data.root), "no data folder given", "data.root", "set data.root=/path/to/era5 (NERSC layout)")
             root = Path(data.root)
             require(root.is_dir(), f"data folder {root} does not exist", "data.root", "point it at the ERA5 folder")
-        self.cfg, self.model_cfg, self.root = data, model_cfg, root
         self.train_set = ERA5Dataset(root, "train", data, data.limit_nsamples)
         self.val_set = ERA5Dataset(root, "valid", data, data.limit_nsamples_val)
         self.lat_weights = latitude_weights(self.train_set.file_shape[0], data.img_size[0])
-        p = model_cfg.patch_size
-        require(data.img_size[0] % p == 0 and data.img_size[1] % p == 0,
-                f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
-                f"choose a crop whose sides are multiples of model.patch_size={p}")
+
+    def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random inputs and targets of the training shapes (benchmarks)."""
+        shape = (batch_size, len(self.cfg.channels), *self.cfg.img_size)
+        return torch.randn(shape, device=device), torch.randn(shape, device=device)
 
     def build_model(self) -> nn.Module:
         c = len(self.cfg.channels)
@@ -99,9 +109,13 @@ class WeatherTask:
         return metrics
 
 
-def build_task(cfg) -> WeatherTask:
-    """The workload of the configured data family (validated before any distributed work)."""
+def build_task(cfg, load_data: bool = True) -> WeatherTask:
+    """The workload of the configured data family, its data inspected (before any distributed work)."""
     kind = getattr(cfg.data, "kind", None)
     if kind == "era5":
-        return WeatherTask(cfg.data, cfg.model, cfg.trainer.seed)
-    raise AssertionError(f"unhandled data kind {kind}")
+        task = WeatherTask(cfg.data, cfg.model)
+    else:
+        raise AssertionError(f"unhandled data kind {kind}")
+    if load_data:
+        task.load_data()
+    return task

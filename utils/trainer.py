@@ -15,6 +15,7 @@ import torch.distributed as dist
 from utils.checkpoint import Checkpointer, rng_state, set_rng_state
 from utils.comm import Axis, Grid
 from utils.errors import require
+from utils.flops import mfu
 from utils.logger import Progress, TensorBoard
 from utils.precision import autocast
 
@@ -158,6 +159,9 @@ class Trainer:
                   "perf/tokens_per_sec": batch * self.task.tokens_per_sample() / step_time,
                   "perf/tflops_per_sec": self.flops_per_sample * batch / step_time / self.grid.world_size / 1e12,
                   "mem/peak_gib": peak_memory_gib(self.device)}
+        utilization = mfu(values["perf/tflops_per_sec"], self.device, self.cfg.precision.mode)
+        if utilization is not None:
+            values["perf/mfu"] = utilization
         values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})
         self.tb.scalars(values, self.step)
         self.progress.update(self.step, loss, batch / step_time, lr)

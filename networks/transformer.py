@@ -1,0 +1,195 @@
+"""The decoder-only language model (GPT): token ids (B, S) -> next-token logits (B, S, V_padded).
+
+Token embedding (+ learned position embedding, or rotary inside attention) -> pre-norm causal blocks
+-> final LayerNorm -> linear head over the padded vocabulary (optionally tied to the embedding).
+Built only from `networks.blocks.Block` so that `distributed.parallelize` can swap its layers; the
+attribute names below are the convention that code relies on:
+
+    tok_embed  nn.Embedding(V_padded, D)           pos_embed  nn.Embedding(max_positions, D) | None
+    enter_seq  SequenceRegion('enter') after the embeddings (the sequence is split from here on)
+    blocks     nn.ModuleList[Block(causal=True)]   norm       nn.LayerNorm(D)
+    lm_head    nn.Linear(D, V_padded, bias=False)  (weight is tok_embed.weight when tied)
+    criterion  CausalLMLoss, with `num_valid_vocab` (columns >= it are padding and never count)
+
+There is no 'exit' region: the head consumes the sequence region's layout directly (under tensor
+sequence parallelism the vocab-parallel head all-gathers the sequence itself; under context
+parallelism each rank's logits and loss cover its own tokens, with targets split the same way).
+The vocabulary is padded to a multiple of `vocab_multiple` (tensor-parallel vocab splits, fast
+matmuls); padding changes neither the initial weights of real tokens nor the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from networks.blocks import Block, SequenceRegion, init_weights
+from utils.errors import require
+
+POSITIONS = ("learned", "rotary")
+
+
+@dataclass
+class GPTConfig:
+    """Schema of `model=gpt_*`. The vocabulary size comes from the data (tokenizer).
+
+    Choices are plain `str` fields (OmegaConf structured configs do not support Literal) checked here.
+    """
+
+    arch: str = "gpt"  # model family tag (fixed by the preset)
+    embed_dim: int = 128  # width of the residual stream (hidden size D)
+    depth: int = 4  # number of transformer blocks
+    num_heads: int = 4  # attention heads; must divide embed_dim (and be divisible by parallel.tp)
+    mlp_ratio: float = 4.0  # MLP hidden = mlp_ratio * embed_dim
+    dropout: float = 0.0  # dropout probability (0 keeps every layout bitwise comparable)
+    max_positions: int = 256  # longest sequence in tokens the model accepts (data.seq_len <= this)
+    positions: str = "learned"  # learned | rotary: a learned position table (GPT-2) or rotary in attention
+    tie_embeddings: bool = True  # share the output head's weight with the token embedding (GPT-2)
+    vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (e.g. 64: tp up to 64 ranks)
+    init_std: float = 0.02  # std of the weight initialization (GPT-2: 0.02)
+
+    def __post_init__(self):
+        require(self.arch == "gpt", f"arch {self.arch!r} is not gpt", "model.arch", "leave arch as set by the preset")
+        for name in ("embed_dim", "depth", "num_heads", "max_positions", "vocab_multiple"):
+            require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}",
+                    f"model.{name}", "set a positive integer")
+        require(self.embed_dim % self.num_heads == 0,
+                f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}",
+                "model.embed_dim", "choose embed_dim a multiple of model.num_heads")
+        require(self.mlp_ratio > 0, f"mlp_ratio must be positive, got {self.mlp_ratio}", "model.mlp_ratio",
+                "set a positive ratio, e.g. 4")
+        require(0.0 <= self.dropout < 1.0, f"dropout {self.dropout} outside [0, 1)", "model.dropout",
+                "set 0 <= dropout < 1")
+        require(self.positions in POSITIONS, f"unknown positions {self.positions!r}", "model.positions",
+                f"choose one of {', '.join(POSITIONS)}")
+        require(self.positions != "rotary" or (self.embed_dim // self.num_heads) % 2 == 0,
+                f"rotary positions need an even head_dim, got {self.embed_dim // self.num_heads}",
+                "model.positions", "use positions=learned or an embed_dim/num_heads that is even")
+        require(self.init_std > 0, f"init_std must be positive, got {self.init_std}", "model.init_std",
+                "set a positive std, e.g. 0.02")
+
+
+def padded_vocab_size(vocab: int, multiple: int) -> int:
+    """`vocab` rounded up to a multiple of `multiple`."""
+    assert vocab > 0 and multiple > 0
+    return -(-vocab // multiple) * multiple
+
+
+def check_seq_len(cfg: GPTConfig, seq_len: int) -> None:
+    """User error when the data's sequence length does not fit the model's position range."""
+    require(seq_len > 0, f"seq_len must be positive, got {seq_len}", "data.seq_len", "set a positive length")
+    require(seq_len <= cfg.max_positions, f"seq_len {seq_len} exceeds model.max_positions {cfg.max_positions}",
+            "data.seq_len", f"set data.seq_len <= {cfg.max_positions} or raise model.max_positions")
+
+
+class CausalLMLoss(nn.Module):
+    """Mean next-token cross-entropy over all tokens; vocabulary padding columns are masked out.
+
+    Dropping the columns >= num_valid_vocab before the softmax equals masking them to -inf: they get
+    zero probability and zero gradient, so the loss does not depend on the padded size. Computed in
+    float32. Targets equal to `ignore_index` do not count.
+    """
+
+    def __init__(self, num_valid_vocab: int, ignore_index: int = -100):
+        super().__init__()
+        self.num_valid_vocab, self.ignore_index = num_valid_vocab, ignore_index
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = logits[..., :self.num_valid_vocab].float()  # (B, S, V)
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index)
+
+
+class GPT(nn.Module):
+    """Decoder-only pre-norm transformer language model."""
+
+    def __init__(self, cfg: GPTConfig, vocab_size: int):
+        super().__init__()
+        require(vocab_size > 0, f"the tokenizer has {vocab_size} tokens", "data.tokenizer",
+                "use a corpus and tokenizer with a non-empty vocabulary")
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.padded_vocab = padded_vocab_size(vocab_size, cfg.vocab_multiple)
+        d = cfg.embed_dim
+        # Vocabulary-sized weights skip torch's default init: its random stream would depend on the
+        # padded size. init_parameters fills them (and re-initializes everything else) in a fixed order.
+        device = torch.get_default_device()
+        self.tok_embed = skip_init(nn.Embedding, self.padded_vocab, d, device=device)
+        self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.positions == "learned" else None
+        self.embed_drop = nn.Dropout(cfg.dropout)
+        self.enter_seq = SequenceRegion("enter")
+        rotary = cfg.positions == "rotary"
+        self.blocks = nn.ModuleList(
+            Block(d, cfg.num_heads, cfg.mlp_ratio, causal=True, dropout=cfg.dropout, rotary=rotary)
+            for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = skip_init(nn.Linear, d, self.padded_vocab, bias=False, device=device)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embed.weight
+        self.criterion = CausalLMLoss(vocab_size)
+        self.init_parameters()
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """Initialize in a fixed order whose random stream does not depend on the vocabulary padding:
+        real token rows, position table, blocks, then (untied) head rows; padded rows are zero.
+
+        Called by the constructor; call it again after materializing a meta-device model (`to_empty`)
+        with the same seed to get the same weights.
+        """
+        std = self.cfg.init_std
+        self._init_vocab_rows(self.tok_embed.weight, lambda w: nn.init.normal_(w, std=std))
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed.weight, std=std)
+        init_weights(self.blocks, std, self.cfg.depth)
+        init_weights(self.norm)
+        if not self.cfg.tie_embeddings:
+            self._init_vocab_rows(self.lm_head.weight,
+                                  lambda w: nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std))
+
+    def _init_vocab_rows(self, weight: torch.Tensor, fill) -> None:
+        real = torch.empty(self.vocab_size, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        fill(real)
+        weight.zero_()
+        weight[:self.vocab_size].copy_(real)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq_len = idx.shape[1]
+        if seq_len > self.cfg.max_positions:
+            check_seq_len(self.cfg, seq_len)
+        x = self.tok_embed(idx)  # (B, S, D)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(seq_len, device=idx.device))
+        x = self.enter_seq(self.embed_drop(x))  # (B, S_local, D) under sequence/context parallelism
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))  # (B, S_local, V_padded)
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of `idx` (B, S) against `targets` (B, S)."""
+        return self.criterion(self(idx), targets)
+
+    def matmul_params(self) -> int:
+        """Weights that take part in matrix multiplies (for the FLOP model): every linear, with the
+        (padded) output head counted once even when tied; embedding lookups, norms, biases excluded."""
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding: append `max_new_tokens` argmax tokens to `idx` (B, S); never a padded id.
+
+        For the serial model (full-vocabulary logits). The context is cropped to the last
+        `max_positions` tokens. Runs in eval mode (no dropout) and restores the previous mode.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                context = idx[:, -self.cfg.max_positions:]
+                logits = self(context)[:, -1, :self.vocab_size]  # (B, V)
+                idx = torch.cat((idx, logits.argmax(dim=-1, keepdim=True)), dim=1)
+        finally:
+            self.train(was_training)
+        return idx

@@ -1,0 +1,43 @@
+"""Peak FLOP rates of known accelerators and model FLOP utilization (MFU).
+
+MFU = achieved training FLOPs per second / the device's dense peak for the compute precision.
+Training FLOPs come from each task's FLOP model (utils/tasks.py), not from a profiler, so MFU
+compares layouts and precisions on equal terms (recomputation from activation checkpointing is
+not counted as useful work).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Dense peak TFLOP/s per device by compute precision (vendor datasheets, no sparsity).
+PEAK_TFLOPS = {
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9},  # SXM
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9},
+    "GH200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9},
+}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The dense peak of this device for `precision`, or None when the device is not in the table."""
+    if device.type != "cuda":
+        return None
+    name = device_name(device).upper()
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # GH200 before H200
+        if key in name.replace(" ", ""):
+            if key == "H100" and "PCIE" in name:
+                return None  # PCIe parts have lower clocks; no guessed peak
+            return PEAK_TFLOPS[key][precision]
+    return None
+
+
+def mfu(tflops_per_sec: float, device: torch.device, precision: str) -> float | None:
+    peak = peak_tflops(device, precision)
+    return tflops_per_sec / peak if peak else None

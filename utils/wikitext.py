@@ -1,0 +1,404 @@
+"""WikiText for language modelling: find the files, tokenize once, cache, serve fixed-length blocks.
+
+Layouts read under `data.root` (directly or in a subfolder such as `wikitext-2/`, `wikitext-103-raw-v1/`):
+
+    wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens     as distributed (raw: wiki.*.raw)
+    train-*.parquet, validation-*.parquet, test-*.parquet       Hugging Face `datasets` (column `text`)
+
+Tokenizers: 'word' is the classic word-level vocabulary of PyTorch's word_language_model example (split
+on whitespace, WikiText's `<unk>` kept, `<eos>` after every line), except that blank lines are skipped
+(the example gives each one an `<eos>`); 'bpe' is a byte-level BPE trained with Hugging Face
+`tokenizers` on the train split only. The tokenizer (JSON) and each split's ids (int32 .npy) are cached
+beside the data, or in a user cache folder when the data folder is read-only; names carry the tokenizer
+settings and the source files' names and sizes, so a change of either builds new ones. Cache files
+appear atomically and the first writer wins, so concurrent ranks agree on one tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from torch.utils.data import Dataset
+
+from utils.corpus import ensure_sample_corpus, user_cache_dir
+from utils.errors import ConfigError, require
+
+SPLITS = ("train", "valid", "test")
+HF_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
+VARIANTS = ("auto", "wikitext-2", "wikitext-103")
+TOKENIZERS = ("word", "bpe")
+UNK, EOS = "<unk>", "<eos>"
+Split = Literal["train", "valid", "test"]
+
+
+@dataclass
+class WikiTextConfig:
+    """Schema of `data=wikitext*`: where the corpus is, how it is tokenized and cut into samples.
+
+    Choices are plain `str` fields (OmegaConf structured configs do not support Literal) checked here.
+    """
+
+    kind: str = "wikitext"  # data family tag (fixed by the preset)
+    root: str | None = None  # folder holding the files (or a wikitext-*/ subfolder); with sample: where to make it
+    sample: bool = False  # use the project's own generated corpus (utils.corpus), made in root on first use
+    variant: str = "auto"  # 'wikitext-2' | 'wikitext-103' | 'auto': the subfolder to read (auto: first found)
+    raw: bool = False  # read the *-raw variant (wiki.*.raw, original text) instead of wiki.*.tokens
+    tokenizer: str = "word"  # word | bpe: word-level vocabulary, or byte-level BPE trained on train
+    bpe_vocab_size: int = 8192  # BPE vocabulary size in tokens, special tokens included
+    seq_len: int = 128  # tokens per sample (the model's context); must be <= model.max_positions
+    limit_train_tokens: int | None = None  # use only the first N training tokens (None = all)
+    limit_eval_tokens: int | None = None  # use only the first N validation/test tokens (None = all)
+    cache_dir: str | None = None  # cache for tokenizer and ids when the data folder is read-only (None = user cache)
+
+    def __post_init__(self):
+        require(self.kind == "wikitext", f"kind {self.kind!r} is not wikitext", "data.kind",
+                "leave kind as set by the preset")
+        require(self.variant in VARIANTS, f"unknown variant {self.variant!r}", "data.variant",
+                f"choose one of {', '.join(VARIANTS)}")
+        require(not (self.sample and self.raw), "the sample corpus has no raw variant", "data.raw",
+                "set data.raw=false with data.sample=true")
+        require(self.tokenizer in TOKENIZERS, f"unknown tokenizer {self.tokenizer!r}", "data.tokenizer",
+                f"choose one of {', '.join(TOKENIZERS)}")
+        require(260 <= self.bpe_vocab_size <= 1_000_000, f"bpe_vocab_size {self.bpe_vocab_size} out of range",
+                "data.bpe_vocab_size", "use 260 (256 bytes + specials) to 1000000 tokens, e.g. 8192")
+        require(self.seq_len > 0, f"seq_len must be positive, got {self.seq_len}", "data.seq_len",
+                "set a positive number of tokens")
+        for name in ("limit_train_tokens", "limit_eval_tokens"):
+            value = getattr(self, name)
+            require(value is None or value > self.seq_len, f"{name} {value} leaves no block of seq_len tokens",
+                    f"data.{name}", f"set null or more than data.seq_len={self.seq_len} tokens")
+
+
+# ---------------------------------------------------------------------------------------------- files
+@dataclass(frozen=True)
+class SplitSource:
+    """The file(s) of one split: a text file, or the parquet shards of a Hugging Face split."""
+
+    paths: tuple[Path, ...]
+
+    def fingerprint(self) -> str:
+        """Short hash of the files' names and sizes: part of every cache name derived from them."""
+        key = ";".join(f"{p.name}:{p.stat().st_size}" for p in self.paths)
+        return hashlib.sha1(key.encode()).hexdigest()[:10]
+
+    def __str__(self) -> str:
+        return ", ".join(str(p) for p in self.paths)
+
+
+def find_split(folder: Path, split: Split, raw: bool) -> SplitSource | None:
+    text = folder / f"wiki.{split}.{'raw' if raw else 'tokens'}"
+    if text.is_file():
+        return SplitSource((text,))
+    shards = tuple(sorted(folder.glob(f"{HF_SPLITS[split]}-*.parquet")))
+    return SplitSource(shards) if shards else None
+
+
+def candidate_folders(root: Path, variant: str, raw: bool) -> list[Path]:
+    """root itself, then the distributed and Hugging Face subfolder names of the variant(s)."""
+    names = VARIANTS[1:] if variant == "auto" else (variant,)
+    suffixes = ("-raw", "-raw-v1") if raw else ("", "-v1")
+    return [root] + [root / (name + suffix) for name in names for suffix in suffixes]
+
+
+def locate(cfg: WikiTextConfig) -> tuple[Path, dict[str, SplitSource]]:
+    """The first candidate folder holding all three splits, and their sources."""
+    if cfg.sample:
+        folder = ensure_sample_corpus(cfg.root)
+        return folder, {s: SplitSource((folder / f"wiki.{s}.tokens",)) for s in SPLITS}
+    require(bool(cfg.root), "no corpus folder given", "data.root",
+            "set data.root to the folder holding WikiText, or use data=wikitext_sample")
+    root = Path(cfg.root).expanduser()
+    require(root.is_dir(), f"corpus folder {root} does not exist", "data.root",
+            "set data.root to the folder holding WikiText, or use data=wikitext_sample")
+    folders = candidate_folders(root, cfg.variant, cfg.raw)
+    for folder in folders:
+        found = {s: find_split(folder, s, cfg.raw) for s in SPLITS}
+        if all(found.values()):
+            return folder, found
+        if any(found.values()):
+            missing = ", ".join(s for s, v in found.items() if v is None)
+            raise ConfigError(f"{folder} lacks the {missing} split(s)", "data.root",
+                              "copy all three splits (train, valid, test) of one WikiText variant there")
+    ext = "raw" if cfg.raw else "tokens"
+    raise ConfigError(f"no WikiText files found: looked for wiki.{{train,valid,test}}.{ext} or "
+                      f"{{train,validation,test}}-*.parquet in {', '.join(str(f) for f in folders)}", "data.root",
+                      f"put WikiText there (data.raw={str(cfg.raw).lower()} must match the files), "
+                      "or use data=wikitext_sample")
+
+
+def iter_lines(source: SplitSource) -> Iterator[str]:
+    """The non-blank lines of a split, stripped, in file order."""
+    for path in source.paths:
+        try:
+            if path.suffix == ".parquet":
+                yield from _parquet_lines(path)
+            else:
+                with open(path, encoding="utf-8") as f:
+                    yield from (s for s in (line.strip() for line in f) if s)
+        except (UnicodeDecodeError, OSError) as err:
+            raise ConfigError(f"cannot read {path} ({err})", "data.root",
+                              "replace the file with a readable UTF-8 copy") from None
+
+
+def _parquet_lines(path: Path) -> Iterator[str]:
+    try:
+        names = pq.read_schema(path).names
+        column = pq.read_table(path, columns=["text"]).column("text") if "text" in names else None
+    except pa.ArrowException as err:
+        raise ConfigError(f"cannot read parquet file {path} ({err})", "data.root", "replace the file") from None
+    require(column is not None, f"{path} has no 'text' column", "data.root",
+            "use the Hugging Face wikitext parquet files (one string column 'text')")
+    for chunk in column.chunks:
+        yield from (s for s in (line.strip() for line in chunk.to_pylist() if line) if s)
+
+
+def nonempty_lines(source: SplitSource) -> Iterator[str]:
+    """iter_lines, raising ConfigError up front when the split holds no text at all."""
+    lines = iter_lines(source)
+    first = next(lines, None)
+    require(first is not None, f"the corpus file(s) {source} hold no text", "data.root",
+            "point data.root at a complete, non-empty WikiText copy")
+    return itertools.chain([first], lines)
+
+
+# ----------------------------------------------------------------------------------------- tokenizers
+def split_at_eos(ids: Iterable[int], eos_id: int) -> list[list[int]]:
+    """Lines of ids between <eos> tokens; the last one is the (possibly empty) unterminated rest."""
+    lines: list[list[int]] = [[]]
+    for i in ids:
+        if i == eos_id:
+            lines.append([])
+        else:
+            lines[-1].append(int(i))
+    return lines
+
+
+class WordTokenizer:
+    """Word-level vocabulary: <unk>, <eos>, then the train split's words in order of first appearance."""
+
+    kind = "word"
+
+    def __init__(self, words: list[str]):
+        self.words = words
+        self.ids = {w: i for i, w in enumerate(words)}
+        self.unk_id, self.eos_id = self.ids[UNK], self.ids[EOS]
+
+    @classmethod
+    def train(cls, lines: Iterable[str]) -> WordTokenizer:
+        words = itertools.chain([UNK, EOS], itertools.chain.from_iterable(map(str.split, lines)))
+        return cls(list(dict.fromkeys(words)))  # first appearances, in order (one C-level pass)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.words)
+
+    def encode_batch(self, lines: list[str]) -> list[list[int]]:
+        get, unk = self.ids.get, self.unk_id
+        return [[get(w, unk) for w in line.split()] for line in lines]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`: words joined by spaces, <eos> as a newline."""
+        return "\n".join(" ".join(self.words[i] for i in line) for line in split_at_eos(ids, self.eos_id))
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"kind": self.kind, "words": self.words}), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> WordTokenizer:
+        return cls(json.loads(path.read_text(encoding="utf-8"))["words"])
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style, Hugging Face `tokenizers`); <eos> and <unk> are special tokens."""
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer: HFTokenizer):
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.token_to_id(EOS)
+
+    @classmethod
+    def train(cls, lines: Iterable[str], vocab_size: int) -> BPETokenizer:
+        tokenizer = HFTokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, UNK], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tokenizer.train_from_iterator(lines, trainer)
+        return cls(tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode_batch(self, lines: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(lines)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`: each line without the prefix space the encoder added, <eos> as a newline."""
+        decode = self.tokenizer.decode
+        return "\n".join(decode(line, skip_special_tokens=False).removeprefix(" ")
+                         for line in split_at_eos(ids, self.eos_id))
+
+    def save(self, path: Path) -> None:
+        self.tokenizer.save(str(path))
+
+    @classmethod
+    def load(cls, path: Path) -> BPETokenizer:
+        return cls(HFTokenizer.from_file(str(path)))
+
+
+AnyTokenizer = WordTokenizer | BPETokenizer
+
+
+def encode_lines(tokenizer: AnyTokenizer, lines: Iterable[str], chunk: int = 8192) -> np.ndarray:
+    """int32 ids of all lines, each followed by <eos>, encoded in chunks to bound memory."""
+    parts, eos = [], [tokenizer.eos_id]
+    it = iter(lines)
+    while batch := list(itertools.islice(it, chunk)):
+        ids = itertools.chain.from_iterable(line + eos for line in tokenizer.encode_batch(batch))
+        parts.append(np.fromiter(ids, dtype=np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+# ---------------------------------------------------------------------------------------------- cache
+def cache_folders(data_folder: Path, cache_dir: str | None) -> list[Path]:
+    """Where caches are looked up, in order: beside the data, then a per-corpus user cache folder."""
+    base = Path(cache_dir).expanduser() if cache_dir else user_cache_dir() / "wikitext"
+    tag = hashlib.sha1(str(data_folder.resolve()).encode()).hexdigest()[:12]
+    return [data_folder, base / f"{data_folder.name}-{tag}"]
+
+
+def cached(name: str, folders: list[Path], build: Callable[[Path], None]) -> Path:
+    """Path of cache file `name`: an existing one, else built by `build(tmp)` in the first writable folder.
+
+    The file is written under a temporary name and hard-linked into place, so readers never see half a
+    file and, when processes race, the first finished copy wins and everyone reads that one.
+    """
+    for folder in folders:
+        if (folder / name).is_file():
+            return folder / name
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+        except OSError:
+            continue  # read-only: try the next folder
+        os.close(fd)
+        try:
+            build(Path(tmp))
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared data folder needs it readable
+            try:
+                os.link(tmp, folder / name)
+            except FileExistsError:
+                pass
+            except OSError:  # no hard links on this file system: last writer wins
+                os.replace(tmp, folder / name)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return folder / name
+    raise ConfigError(f"no writable cache folder among {', '.join(map(str, folders))}", "data.cache_dir",
+                      "set data.cache_dir to a writable folder")
+
+
+def load_tokenizer(cfg: WikiTextConfig, train: SplitSource, folders: list[Path]) -> tuple[AnyTokenizer, str]:
+    """The tokenizer trained on `train` (cached), and the name that tags the id caches made with it."""
+    settings = "word" if cfg.tokenizer == "word" else f"bpe{cfg.bpe_vocab_size}"
+    name = f"tokenizer-{settings}-{train.fingerprint()}"
+    kind = WordTokenizer if cfg.tokenizer == "word" else BPETokenizer
+
+    def build(path: Path) -> None:
+        lines = nonempty_lines(train)
+        tok = WordTokenizer.train(lines) if kind is WordTokenizer else BPETokenizer.train(lines, cfg.bpe_vocab_size)
+        tok.save(path)
+
+    return kind.load(cached(name + ".json", folders, build)), name
+
+
+def load_ids(tokenizer: AnyTokenizer, tokenizer_name: str, source: SplitSource, split: Split,
+             folders: list[Path]) -> np.ndarray:
+    """int32 token ids of one split, encoded once and memory-mapped from the cache afterwards."""
+    def build(path: Path) -> None:
+        with open(path, "wb") as f:
+            np.save(f, encode_lines(tokenizer, nonempty_lines(source)))
+
+    name = f"{split}-{source.fingerprint()}.{tokenizer_name}.npy"
+    return np.load(cached(name, folders, build), mmap_mode="r")
+
+
+# ----------------------------------------------------------------------------------- samples, metrics
+class LMBlockDataset(Dataset):
+    """Non-overlapping blocks of a token stream: item i = (ids[i*S : i*S+S], ids[i*S+1 : i*S+S+1]), int64."""
+
+    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, split: str = "train"):
+        self.tokens = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
+        self.seq_len = seq_len
+        require(seq_len > 0 and len(tokens) > seq_len,
+                f"the {split} split has {len(tokens)} tokens, too few for one block of seq_len {seq_len} + 1",
+                "data.seq_len", "lower data.seq_len, raise the data.limit_* settings, or use a larger corpus")
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start = i * self.seq_len
+        block = torch.from_numpy(np.array(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+        return block[:-1], block[1:]  # input ids (S,), next-token targets (S,)
+
+
+def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> float:
+    """Perplexity on `eval_tokens` of the add-one smoothed unigram model fit on `train_tokens`: the
+    baseline a language model must beat (it knows token frequencies, not context)."""
+    counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64) + 1.0
+    log_p = np.log(counts) - np.log(counts.sum())
+    return float(np.exp(-log_p[np.asarray(eval_tokens)].mean()))
+
+
+@dataclass
+class WikiTextCorpus:
+    """A tokenized corpus: the tokenizer and the int32 ids of each split (memory-mapped)."""
+
+    folder: Path
+    tokenizer: AnyTokenizer
+    train: np.ndarray
+    valid: np.ndarray
+    test: np.ndarray
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def dataset(self, split: Split, seq_len: int) -> LMBlockDataset:
+        return LMBlockDataset(getattr(self, split), seq_len, split)
+
+    def describe(self) -> str:
+        """One log line: where from, vocabulary, split sizes and the unigram baseline on valid."""
+        ppl = unigram_perplexity(self.train, self.valid, self.vocab_size)
+        return (f"{self.folder} ({self.tokenizer.kind}): vocab {self.vocab_size}, tokens train {len(self.train)} "
+                f"valid {len(self.valid)} test {len(self.test)}, unigram valid ppl {ppl:.1f}")
+
+
+def load_wikitext(cfg: WikiTextConfig) -> WikiTextCorpus:
+    """Locate, tokenize (or read the caches of) and truncate the three splits of `cfg`."""
+    folder, sources = locate(cfg)
+    folders = cache_folders(folder, cfg.cache_dir)
+    tokenizer, tokenizer_name = load_tokenizer(cfg, sources["train"], folders)
+    ids = {s: load_ids(tokenizer, tokenizer_name, sources[s], s, folders) for s in SPLITS}
+    limits = {"train": cfg.limit_train_tokens, "valid": cfg.limit_eval_tokens, "test": cfg.limit_eval_tokens}
+    return WikiTextCorpus(folder, tokenizer, **{s: ids[s][:limits[s]] for s in SPLITS})
