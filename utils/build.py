@@ -89,5 +89,6 @@ def build_trainer(cfg: Config, choices: dict[str, str], config_yaml: str, task, 
         (run_dir / "config.yaml").write_text(config_yaml)
     log.info(f"grid: {grid.describe().splitlines()[0]}; run.dir: {run_dir}")
     log.info(param_bytes_report(raw, optimizer))
+    log.info(f"data: {task.describe()}")
     return trainer
 

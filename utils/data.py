@@ -85,6 +85,7 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
         workers["prefetch_factor"] = 4
     train = DataLoader(train_set, batch_sampler=sampler, **workers)
     val_part = torch.utils.data.Subset(val_set, shard_range(len(val_set), dp_rank, dp_size))
+    val_workers = min(num_workers, 2)
     val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
-                     num_workers=min(num_workers, 2), pin_memory=pin_memory)
+                     num_workers=val_workers, pin_memory=pin_memory, persistent_workers=val_workers > 0)
     return Loaders(train, val, sampler.steps_per_epoch)

@@ -6,18 +6,22 @@ validation metrics. The trainer is the same for every task.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from networks.transformer import GPT, GPTConfig, check_seq_len
 from networks.vit import ViT, ViTConfig
-from utils.comm import AxisGroup
+from utils.comm import Axis, AxisGroup, Grid
 from utils.era5 import ERA5Config, ERA5Dataset, latitude_weights
 from utils.era5_synthetic import ensure_synthetic
 from utils.errors import require
 from utils.metrics import weighted_sq_error
+from utils.wikitext import WikiTextConfig, load_wikitext
 
 
 def all_reduce_sum(t: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
@@ -36,8 +40,12 @@ def diverging_image(field: torch.Tensor, vmax: float) -> torch.Tensor:
 class WeatherTask:
     """ERA5 next-state regression with the ViT."""
 
-    unit = "patches"
-    headline_metrics = ("val/loss", "val/rmse/u10m")
+    def describe(self) -> str:
+        return f"{self.train_set.infos[0].path.parent.parent}: {len(self.train_set)} train / {len(self.val_set)} valid pairs"
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        first = f"val/rmse/{self.cfg.channels[0]}"
+        return f"val/loss={metrics['val/loss']:.4g} {first}={metrics[first]:.4g}"
 
     def __init__(self, data: ERA5Config, model_cfg: ViTConfig):
         require(isinstance(model_cfg, ViTConfig), "the ERA5 data needs a ViT model", "model",
@@ -81,9 +89,10 @@ class WeatherTask:
         return s * (6 * matmul_params + 12 * m.depth * m.embed_dim * s)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, device, autocast, dp: AxisGroup,
+    def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
                  writer, step: int) -> dict[str, float]:
         """val/loss and latitude-weighted val/rmse/<channel>, reduced over dp; an image of u10m."""
+        device, dp = grid.device, grid.axis(Axis.DP)
         weights = self.lat_weights.to(device)
         sums = torch.zeros(2 + len(self.cfg.channels), dtype=torch.float64, device=device)
         first = None
@@ -109,11 +118,105 @@ class WeatherTask:
         return metrics
 
 
-def build_task(cfg, load_data: bool = True) -> WeatherTask:
+def full_vocab(logits: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
+    """(B, V/t) vocabulary shards -> (B, V) on every tp rank (only for a few positions: generation)."""
+    if tp.size == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(tp.size)]
+    dist.all_gather(parts, logits.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+class LanguageTask:
+    """Next-token prediction on WikiText with the decoder-only Transformer."""
+
+    num_prompts, prompt_len, new_tokens = 3, 8, 24
+
+    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig):
+        require(isinstance(model_cfg, GPTConfig), "the WikiText data needs a GPT model", "model",
+                "use model=gpt_tiny, gpt_small or gpt_medium with data=wikitext*")
+        check_seq_len(model_cfg, data.seq_len)
+        self.cfg, self.model_cfg = data, model_cfg
+        self.train_set = self.val_set = self.corpus = None
+        self.unigram_ppl = float("nan")
+
+    def load_data(self) -> None:
+        """Read, tokenize (or load the caches of) the corpus; every data error is raised here."""
+        from utils.wikitext import unigram_perplexity
+
+        self.corpus = load_wikitext(self.cfg)
+        self.train_set = self.corpus.dataset("train", self.cfg.seq_len)
+        self.val_set = self.corpus.dataset("valid", self.cfg.seq_len)
+        self.unigram_ppl = unigram_perplexity(self.corpus.train, self.corpus.valid, self.corpus.vocab_size)
+
+    def describe(self) -> str:
+        return self.corpus.describe() if self.corpus else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.corpus.vocab_size if self.corpus else 50257  # GPT-2's vocabulary for data-less benchmarks
+
+    def build_model(self) -> nn.Module:
+        return GPT(self.model_cfg, self.vocab_size)
+
+    def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (batch_size, self.cfg.seq_len)
+        return (torch.randint(self.vocab_size, shape, device=device),
+                torch.randint(self.vocab_size, shape, device=device))
+
+    def tokens_per_sample(self) -> int:
+        return self.cfg.seq_len
+
+    def flops_per_sample(self, matmul_params: int) -> float:
+        """S*(6*N_mm + 12*L*D*S): 6N per token plus attention counted as non-causal (the usual convention)."""
+        s, m = self.cfg.seq_len, self.model_cfg
+        return s * (6 * matmul_params + 12 * m.depth * m.embed_dim * s)
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        return f"val/loss={metrics['val/loss']:.4g} val/ppl={metrics['val/ppl']:.4g} (unigram ppl {self.unigram_ppl:.4g})"
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
+                 writer, step: int) -> dict[str, float]:
+        """val/loss and val/ppl over the validation blocks (reduced over dp); greedy continuations as text."""
+        sums = torch.zeros(2, dtype=torch.float64, device=grid.device)
+        for x, y in loader:
+            x, y = x.to(grid.device, non_blocking=True), y.to(grid.device, non_blocking=True)
+            with autocast():
+                sums[0] += criterion(model(x), y).double() * len(x)
+            sums[1] += len(x)
+        all_reduce_sum(sums, grid.axis(Axis.DP))
+        loss = (sums[0] / sums[1].clamp_min(1)).item()
+        writer.text("val/samples", self.continuations(model, grid, autocast), step)
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+    def prompts(self) -> torch.Tensor:
+        """Fixed prompts: `prompt_len` tokens at evenly spaced places of the validation split."""
+        valid = self.corpus.valid
+        starts = [i * (len(valid) - self.prompt_len) // self.num_prompts for i in range(self.num_prompts)]
+        return torch.tensor(np.stack([valid[s:s + self.prompt_len] for s in starts]).astype(np.int64))
+
+    def continuations(self, model: nn.Module, grid: Grid, autocast) -> str:
+        """Greedy decoding on a right-padded buffer (causal: padding never changes earlier positions)."""
+        length = self.prompt_len + self.new_tokens
+        buffer = torch.zeros(self.num_prompts, length, dtype=torch.long, device=grid.device)
+        buffer[:, :self.prompt_len] = self.prompts().to(grid.device)
+        for pos in range(self.prompt_len, length):
+            with autocast():
+                logits = full_vocab(model(buffer)[:, pos - 1].float(), grid.axis(Axis.TP))
+            buffer[:, pos] = logits[:, :self.vocab_size].argmax(dim=-1)
+        decode = self.corpus.tokenizer.decode
+        return "\n\n".join(f"**{decode(row[:self.prompt_len].tolist())}** {decode(row[self.prompt_len:].tolist())}"
+                           for row in buffer.cpu())
+
+
+def build_task(cfg, load_data: bool = True) -> WeatherTask | LanguageTask:
     """The workload of the configured data family, its data inspected (before any distributed work)."""
     kind = getattr(cfg.data, "kind", None)
     if kind == "era5":
         task = WeatherTask(cfg.data, cfg.model)
+    elif kind == "wikitext":
+        task = LanguageTask(cfg.data, cfg.model)
     else:
         raise AssertionError(f"unhandled data kind {kind}")
     if load_data:

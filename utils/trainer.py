@@ -177,11 +177,11 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         self.model.eval()
         t0 = time.perf_counter()
-        metrics = self.task.evaluate(self.raw_model, self.raw_model.criterion, self.loaders.val, device=self.device,
-                                     autocast=self.autocast, dp=self.dp, writer=self.tb, step=self.step)
+        metrics = self.task.evaluate(self.raw_model, self.raw_model.criterion, self.loaders.val, grid=self.grid,
+                                     autocast=self.autocast, writer=self.tb, step=self.step)
         self.model.train()
         self.tb.scalars(metrics, self.step)
         self.tb.flush()
-        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in self.task.headline_metrics if k in metrics)
-        self.progress.message(f"step {self.step} validation ({time.perf_counter() - t0:.1f}s): {shown}")
+        self.progress.message(f"step {self.step} validation ({time.perf_counter() - t0:.1f}s): "
+                              + self.task.summary(metrics))
         return metrics
