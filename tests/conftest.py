@@ -34,3 +34,10 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="session")
+def corpus_root(tmp_path_factory) -> Path:
+    from utils.corpus import ensure_sample_corpus
+
+    return ensure_sample_corpus(tmp_path_factory.mktemp("wikitext") / "sample")

@@ -1,0 +1,97 @@
+"""The parallel grid: rank layout math and validation without processes; real groups on 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_ranks
+from utils.comm import AXES, Axis, Grid, ParallelConfig, init_grid, parse_order, rank_layout, resolve_sizes
+from utils.errors import ConfigError
+
+
+def _layout(world: int, order: str, **sizes) -> dict[Axis, list[list[int]]]:
+    cfg = ParallelConfig(order=order, **sizes)
+    return rank_layout(resolve_sizes(cfg, world), parse_order(order))
+
+
+def test_tp4_dp2_order_tp_dp():
+    layout = _layout(8, "tp-dp", tp=4)
+    assert layout[Axis.TP] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout[Axis.DP] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout[Axis.CP] == [[r] for r in range(8)] and layout[Axis.PP] == [[r] for r in range(8)]
+
+
+def test_dp_nearest_when_ordered_first():
+    layout = _layout(8, "dp-tp", tp=4)
+    assert layout[Axis.DP] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout[Axis.TP] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_cp_tp_dp():
+    layout = _layout(8, "cp-tp-dp", tp=2, cp=2)
+    assert layout[Axis.CP] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout[Axis.TP] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout[Axis.DP] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_tp2_cp2_dp2_default_order():
+    layout = _layout(8, ParallelConfig().order, tp=2, cp=2)
+    assert layout[Axis.TP] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout[Axis.CP] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout[Axis.DP] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("world,sizes", [
+    (8, dict(tp=3)), (6, dict(tp=4)), (4, dict(tp=2, cp=2, pp=2)), (8, dict(tp=2, dp=2)), (2, dict(tp=4))])
+def test_sizes_that_do_not_fit_raise(world, sizes):
+    with pytest.raises(ConfigError) as err:
+        resolve_sizes(ParallelConfig(**sizes), world)
+    assert err.value.setting == "parallel" and str(world) in err.value.what
+
+
+@pytest.mark.parametrize("field,value", [("tp", 0), ("cp", -1), ("pp", 0), ("dp", -2)])
+def test_bad_axis_sizes_raise(field, value):
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(**{field: value})
+    assert err.value.setting == f"parallel.{field}"
+
+
+def test_parse_order_appends_missing_axes():
+    assert parse_order("dp-tp") == (Axis.DP, Axis.TP, Axis.CP, Axis.PP)
+    assert parse_order("tp-cp-dp-pp") == AXES
+
+
+@pytest.mark.parametrize("order", ["tp-xp", "tp-tp", "tp-dp-tp", "data"])
+def test_parse_order_errors(order):
+    with pytest.raises(ConfigError) as err:
+        parse_order(order)
+    assert err.value.setting == "parallel.order"
+
+
+def test_serial_grid_has_free_axes():
+    grid = Grid.serial()
+    for axis in AXES:
+        group = grid.axis(axis)
+        assert group.size == 1 and group.rank == 0 and group.group is None
+    assert grid.axis("dp", "cp").size == 1 and grid.comm_bytes() == {}
+
+
+def _check_groups(rank: int, world_size: int) -> None:
+    grid = init_grid(ParallelConfig(tp=2, order="tp-dp"))
+    layout = _layout(world_size, "tp-dp", tp=2)
+    for names, groups in ((("tp",), layout[Axis.TP]), (("dp",), layout[Axis.DP]), (("dp", "cp"), layout[Axis.DP]),
+                          (("tp", "dp"), [list(range(world_size))])):
+        axis = grid.axis(*names)
+        mine = next(g for g in groups if rank in g)
+        assert axis.ranks == mine and axis.size == len(mine) and axis.rank == mine.index(rank), (names, axis)
+        assert dist.get_process_group_ranks(axis.group) == mine
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=axis.group)  # the group really connects those ranks
+        assert total.item() == sum(mine)
+    assert grid.axis("cp").group is None and grid.axis("cp").size == 1
+
+
+def test_init_grid_groups_match_layout(tmp_path):
+    run_ranks(_check_groups, 4, tmp_path)

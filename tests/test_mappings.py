@@ -1,0 +1,163 @@
+"""Tests of distributed.mappings: adjointness, forward values, byte accounting, size-1 no-ops.
+
+A mapping F and its backward F* are adjoint when <F(x), y> = <x, F*(y)> for every x and cotangent y.
+A distributed tensor lives either in a replicated space (every rank holds the same value; the inner
+product counts it once) or a per-rank space (ranks hold independent values: shards or partial sums;
+the inner product sums over ranks). Each mapping is checked between the spaces it maps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import mappings as M
+from tests.dist_utils import run_ranks
+from utils.comm import AxisGroup, ParallelConfig, init_grid
+
+SHAPE = (3, 0, 5)  # dim 1 (the length under test) is filled in per case
+DIM = 1
+
+
+def _full(seed: int, length: int) -> torch.Tensor:
+    """A tensor every rank can build identically from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE[0], length, SHAPE[2], generator=g, dtype=torch.float64)
+
+
+def _inner(a: torch.Tensor, b: torch.Tensor, replicated: bool, axis: AxisGroup) -> float:
+    """<a, b> over the distributed space: once if replicated, summed over ranks otherwise."""
+    local = (a * b).sum().reshape(1)
+    if replicated:
+        copies = [torch.zeros_like(local) for _ in range(axis.size)]
+        dist.all_gather(copies, local, group=axis.group)
+        assert all(torch.equal(c, local) for c in copies), "replicated value differs across ranks"
+        return float(local)
+    dist.all_reduce(local, group=axis.group)
+    return float(local)
+
+
+def _check_adjoint(fn, x: torch.Tensor, y: torch.Tensor, in_replicated: bool, out_replicated: bool, axis):
+    x = x.clone().requires_grad_(True)
+    out = fn(x)
+    assert out.shape == y.shape, (out.shape, y.shape)
+    (grad,) = torch.autograd.grad(out, x, y)
+    lhs = _inner(out.detach(), y, out_replicated, axis)
+    rhs = _inner(x.detach(), grad, in_replicated, axis)
+    assert abs(lhs - rhs) <= 1e-9 * max(1.0, abs(lhs)), (fn, lhs, rhs)
+
+
+def _adjoint_cases(axis: AxisGroup, length: int):
+    """(name, fn, x, y, input replicated?, output replicated?) for every mapping on this rank."""
+    r, n = axis.rank, axis.size
+    sizes = M.split_sizes(length, n)
+    full_x, full_y = _full(1, length), _full(2, length)
+    own_x, own_y = _full(10 + r, sizes[r]), _full(20 + r, sizes[r])
+    mine_x, mine_y = _full(30 + r, length), _full(40 + r, length)
+    return [
+        ("copy", lambda t: M.copy_to_region(t, axis), full_x, mine_y, True, False),
+        ("reduce", lambda t: M.reduce_from_region(t, axis), mine_x, full_y, False, True),
+        ("scatter", lambda t: M.scatter_to_region(t, axis, DIM), full_x, own_y, True, False),
+        ("gather", lambda t: M.gather_from_region(t, axis, DIM, sizes), own_x, full_y, False, True),
+        ("all_gather", lambda t: M.all_gather_region(t, axis, DIM, sizes), own_x, mine_y, False, False),
+        ("reduce_scatter", lambda t: M.reduce_scatter_region(t, axis, DIM), mine_x, own_y, False, False),
+    ]
+
+
+def _check_forward_values(axis: AxisGroup, length: int) -> None:
+    r, n = axis.rank, axis.size
+    sizes = M.split_sizes(length, n)
+    full = _full(1, length)
+    chunks = full.tensor_split(n, dim=DIM)
+    partials = [_full(30 + s, length) for s in range(n)]  # every rank's partial, rebuilt locally
+    total = torch.stack(partials).sum(0)
+    torch.testing.assert_close(M.copy_to_region(full, axis), full)
+    torch.testing.assert_close(M.reduce_from_region(partials[r], axis), total)
+    torch.testing.assert_close(M.scatter_to_region(full, axis, DIM), chunks[r])
+    torch.testing.assert_close(M.gather_from_region(chunks[r], axis, DIM, sizes), full)
+    torch.testing.assert_close(M.all_gather_region(chunks[r], axis, -2, sizes), full)
+    torch.testing.assert_close(M.reduce_scatter_region(partials[r], axis, DIM), total.tensor_split(n, dim=DIM)[r])
+
+
+def _check_bytes(axis: AxisGroup) -> None:
+    """Ring volumes, in units of (n-1)/n x B for a full tensor of B bytes: an all-reduce is 2 units,
+    an all-gather or a reduce-scatter 1. Forward and backward are counted together; uneven
+    gathers count the padded buffer they send."""
+    n, length = axis.size, 4 * axis.size
+    full = _full(1, length).requires_grad_(True)
+    unit = (n - 1) * full.numel() * full.element_size() // n
+
+    def scatter(t):  # backward: 1 unit
+        return M.scatter_to_region(t, axis, DIM)
+
+    expected = {
+        "copy": (lambda t: M.copy_to_region(t, axis), 2 * unit),
+        "reduce": (lambda t: M.reduce_from_region(t, axis), 2 * unit),
+        "scatter": (scatter, unit),
+        "gather": (lambda t: M.gather_from_region(scatter(t), axis, DIM), 2 * unit),
+        "all_gather": (lambda t: M.all_gather_region(scatter(t), axis, DIM), 3 * unit),
+        "reduce_scatter": (lambda t: M.reduce_scatter_region(t, axis, DIM), 2 * unit),
+    }
+    for name, (fn, want) in expected.items():
+        axis.bytes_moved = 0
+        fn(full).sum().backward()
+        assert axis.bytes_moved == want, (name, axis.bytes_moved, want)
+    sizes = M.split_sizes(7, n)  # uneven: every rank sends max(sizes) rows, n - 1 times
+    axis.bytes_moved = 0
+    M.gather_from_region(_full(0, sizes[axis.rank]), axis, DIM, sizes)
+    assert axis.bytes_moved == (n - 1) * max(sizes) * SHAPE[0] * SHAPE[2] * 8
+
+
+def _check_compiles(axis: AxisGroup) -> None:
+    """Every mapping traces into one graph (fullgraph) with the same values and gradients as eager."""
+    sizes = M.split_sizes(7, axis.size)
+
+    def chain(x):
+        y = M.reduce_from_region(M.copy_to_region(x, axis) * 2, axis)
+        shards = M.scatter_to_region(y, axis, DIM)
+        full = M.gather_from_region(shards, axis, DIM, sizes) + M.all_gather_region(shards, axis, DIM, sizes)
+        return M.reduce_scatter_region(full, axis, DIM).pow(2).sum()
+
+    x = _full(3, 7).requires_grad_(True)
+    (want_grad,) = torch.autograd.grad(want := chain(x), x)
+    compiled = torch.compile(chain, fullgraph=True, backend="aot_eager")
+    (got_grad,) = torch.autograd.grad(got := compiled(x), x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+def _mapping_checks(rank: int, world_size: int) -> None:
+    grid = init_grid(ParallelConfig(tp=world_size))
+    axis = grid.axis("tp")
+    assert axis.size == world_size and axis.rank == rank
+    for length in (8, 7, 2 * world_size + 1):  # even, uneven, uneven with more remainders
+        for name, fn, x, y, in_rep, out_rep in _adjoint_cases(axis, length):
+            _check_adjoint(fn, x, y, in_rep, out_rep, axis)
+        _check_forward_values(axis, length)
+    _check_bytes(axis)
+    if world_size == 2:
+        _check_compiles(axis)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mappings_are_adjoint_pairs(world_size, tmp_path):
+    run_ranks(_mapping_checks, world_size, tmp_path)
+
+
+def test_split_sizes_follow_tensor_split():
+    for length in range(0, 12):
+        for parts in (1, 2, 3, 4):
+            want = [c.shape[0] for c in torch.arange(length).tensor_split(parts)]
+            assert M.split_sizes(length, parts) == want
+
+
+def test_size_one_axis_is_a_free_noop():
+    axis = AxisGroup("tp", 1, 0)
+    x = torch.randn(2, 7, 3, requires_grad=True)
+    fns = [lambda t: M.copy_to_region(t, axis), lambda t: M.reduce_from_region(t, axis),
+           lambda t: M.scatter_to_region(t, axis, 1), lambda t: M.gather_from_region(t, axis, 1),
+           lambda t: M.all_gather_region(t, axis, 1), lambda t: M.reduce_scatter_region(t, axis, 1)]
+    for fn in fns:
+        assert fn(x) is x  # no copy, no autograd node
+    assert axis.bytes_moved == 0

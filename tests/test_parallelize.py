@@ -1,0 +1,168 @@
+"""Whole models parallelized at tp=2 and tp=4 against the serial model, communication and memory.
+
+ViT (embed 32, depth 2, 4 heads, 16x32 image, patch 4: 32 tokens, 3 channels) and the GPT language
+model (tied, padded vocabulary, 7 tokens: an uneven sequence split) are run serially and parallelized
+on identical initial weights, in float64. Compared: output (or loss), input gradient and every
+weight gradient, sharded gradients gathered to full size.
+
+Communication accounting (ViT, one forward+backward, measured on the tp axis before the partial
+gradient sync): the blocks move exactly depth x 8(t-1)/t x A bytes, A = batch x tokens x hidden x
+bytes/element. The ViT's patch embedding and head stay replicated (no communication); under sequence
+parallelism the 'enter' split all-gathers the gradient in backward and the 'exit' gather
+all-gathers in forward, (t-1)/t x A each, so the expected total is (8 depth + 2)(t-1)/t x A. The
+sync of partial LayerNorm / row-parallel bias gradients is checked separately.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed.data_parallel import partial_grad_params, sync_partial_grads
+from distributed.layers import TensorParallelLayer
+from distributed.parallelize import check_heads, parallelize
+from networks.transformer import GPT, GPTConfig
+from networks.vit import ViT, ViTConfig
+from tests.dist_utils import run_ranks
+from utils.comm import Grid, ParallelConfig, init_grid
+from utils.errors import ConfigError
+
+BATCH, IMG, CHANNELS, DEPTH, EMBED = 2, (16, 32), 3, 2, 32
+
+
+def build_vit(num_heads: int = 4) -> ViT:
+    torch.manual_seed(0)
+    cfg = ViTConfig(embed_dim=EMBED, depth=DEPTH, num_heads=num_heads, patch_size=4)
+    return ViT(cfg, IMG, CHANNELS, CHANNELS).double()
+
+
+def build_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(embed_dim=EMBED, depth=DEPTH, num_heads=4, max_positions=16), vocab_size=50).double()
+
+
+def _sharding(model: nn.Module) -> dict[str, int]:
+    """Parameter name -> dim split over tp, for every sharded parameter of a parallel model."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, TensorParallelLayer):
+            for name in module.sharded_params:
+                found[f"{prefix}.{name}" if prefix else name] = module.shard_dims[name]
+    return found
+
+
+def _gather(t: torch.Tensor, axis, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(axis.size)]  # the shapes below split evenly
+    dist.all_gather(parts, t.contiguous(), group=axis.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _compare_grads(serial: nn.Module, parallel: nn.Module, axis) -> None:
+    """Every parameter gradient of `parallel` (gathered if sharded) equals the serial one."""
+    split = _sharding(parallel)
+    serial_params = dict(serial.named_parameters())
+    names = [n for n, _ in parallel.named_parameters()]
+    assert sorted(names) == sorted(serial_params), "parallelize changed the parameter names"
+    for name, p in parallel.named_parameters():
+        grad = _gather(p.grad, axis, split[name]) if name in split else p.grad
+        torch.testing.assert_close(grad, serial_params[name].grad, msg=lambda m: f"{name}: {m}")
+
+
+def _check_vit(grid: Grid, sp: bool) -> None:
+    axis, t = grid.axis("tp"), grid.size("tp")
+    serial = build_vit()
+    parallel = parallelize(copy.deepcopy(serial), grid=grid, sequence_parallel=sp)
+    x = torch.randn(BATCH, CHANNELS, *IMG, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    g = torch.randn(BATCH, CHANNELS, *IMG, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x_ref, x_par = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_ref = serial(x_ref)
+    y_ref.backward(g)
+    grid.reset_comm_bytes()
+    y = parallel(x_par)
+    y.backward(g)
+    activation_bytes = BATCH * serial.num_tokens * EMBED * x.element_size()  # A
+    expected = (8 * DEPTH + (2 if sp else 0)) * (t - 1) * activation_bytes // t
+    assert axis.bytes_moved == expected, (sp, axis.bytes_moved, expected)
+    _check_partial_sync(parallel, grid, sp)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x_par.grad, x_ref.grad)
+    _compare_grads(serial, parallel, axis)
+    _check_memory(serial, parallel, t)
+
+
+def _check_partial_sync(parallel: nn.Module, grid: Grid, sp: bool) -> None:
+    """Under SP: 2 norms per block + final norm (weight, bias) and 2 row biases per block, summed."""
+    axis, t = grid.axis("tp"), grid.size("tp")
+    params = partial_grad_params(parallel).get("tp", [])
+    want_numel = (2 * DEPTH + 1) * 2 * EMBED + 2 * DEPTH * EMBED if sp else 0
+    assert sum(p.numel() for p in params) == want_numel
+    before = axis.bytes_moved
+    sync_partial_grads(parallel, grid=grid)
+    assert axis.bytes_moved - before == 2 * (t - 1) * want_numel * 8 // t
+
+
+def _check_memory(serial: nn.Module, parallel: nn.Module, t: int) -> None:
+    """Each rank holds 1/t of every sharded weight and all of every replicated one."""
+    split = _sharding(parallel)
+    serial_params = dict(serial.named_parameters())
+    sharded = sum(p.numel() * p.element_size() for n, p in parallel.named_parameters() if n in split)
+    replicated = sum(p.numel() * p.element_size() for n, p in parallel.named_parameters() if n not in split)
+    serial_sharded = sum(serial_params[n].numel() * serial_params[n].element_size() for n in split)
+    assert split and sharded * t == serial_sharded
+    assert replicated == sum(p.numel() * p.element_size() for n, p in serial_params.items() if n not in split)
+
+
+def _check_gpt(grid: Grid, sp: bool) -> None:
+    axis = grid.axis("tp")
+    serial = build_gpt()
+    parallel = parallelize(copy.deepcopy(serial), grid=grid, sequence_parallel=sp)
+    assert parallel.lm_head.weight is parallel.tok_embed.weight  # the tie survives
+    gen = torch.Generator().manual_seed(3)
+    idx, targets = torch.randint(0, 50, (BATCH, 7), generator=gen), torch.randint(0, 50, (BATCH, 7), generator=gen)
+    loss_ref = serial.loss(idx, targets)
+    loss_ref.backward()
+    loss = parallel.loss(idx, targets)
+    loss.backward()
+    sync_partial_grads(parallel, grid=grid)
+    torch.testing.assert_close(loss, loss_ref)
+    _compare_grads(serial, parallel, axis)
+
+
+def _check_bad_heads(grid: Grid) -> None:
+    model = build_vit(num_heads=2)  # 2 heads over tp=4
+    before = repr(model)
+    with pytest.raises(ConfigError, match=r"model\.num_heads.*parallel\.tp"):
+        parallelize(model, grid=grid, sequence_parallel=True)
+    assert repr(model) == before  # untouched
+
+
+def _parallelize_checks(rank: int, world_size: int) -> None:
+    grid = init_grid(ParallelConfig(tp=world_size))
+    for sp in (False, True):
+        _check_vit(grid, sp)
+        _check_gpt(grid, sp)
+    if world_size == 4:
+        _check_bad_heads(grid)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parallel_models_match_serial(world_size, tmp_path):
+    run_ranks(_parallelize_checks, world_size, tmp_path)
+
+
+def test_tp1_returns_model_unchanged():
+    model = build_vit()
+    before = repr(model)
+    assert parallelize(model, grid=Grid.serial(), sequence_parallel=True) is model
+    assert repr(model) == before
+
+
+def test_heads_must_divide_tp():
+    check_heads(build_vit(num_heads=4), 2)
+    with pytest.raises(ConfigError) as err:
+        check_heads(build_vit(num_heads=4), 3)
+    assert "model.num_heads=4" in str(err.value) and "parallel.tp=3" in str(err.value)
