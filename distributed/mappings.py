@@ -1,0 +1,266 @@
+"""Autograd-aware collectives: the `f`/`g` operators of tensor and sequence parallelism.
+
+Each public function applies one collective in forward and its adjoint in backward, on the group of
+one grid axis passed in explicitly as an `AxisGroup` (Megatron-LM, Shoeybi et al. 2019, sec. 3, and
+sequence parallelism, Korthikanti et al. 2022, sec. 4.2.2):
+
+    copy_to_region        fwd identity        bwd all-reduce      `f` of Megatron
+    reduce_from_region    fwd all-reduce      bwd identity        `g` of Megatron
+    scatter_to_region     fwd keep own chunk  bwd all-gather
+    gather_from_region    fwd all-gather      bwd keep own chunk
+    all_gather_region     fwd all-gather      bwd reduce-scatter  `g` of sequence parallelism
+    reduce_scatter_region fwd reduce-scatter  bwd all-gather      `g-bar` of sequence parallelism
+
+A size-1 axis returns the input unchanged (no collective, no autograd node). Splits along `dim` follow
+`torch.tensor_split`: with L = q*n + r, the first r ranks hold q+1 elements and the rest q. A gather
+cannot know the other ranks' lengths, so it takes `sizes` (per-rank lengths, see `split_sizes`);
+without it the split is assumed even. Uneven gathers and reduce-scatters pad every chunk to the
+largest one (gloo has no all-gatherv) and trim afterwards.
+
+Collectives go through `torch.distributed._functional_collectives`, which torch.compile traces
+without graph breaks. Every mapping records on its axis the bytes this rank sends with the ring
+algorithm, n = axis.size: all-reduce 2(n-1)/n x bytes(tensor), all-gather (n-1)/n x bytes(gathered
+output), reduce-scatter (n-1)/n x bytes(full input); for uneven splits that is the padded buffer
+actually sent. Recording is a Python side effect, so it is skipped while torch.compile traces
+(`torch.compiler.is_compiling()`): compiled regions are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from utils.comm import AxisGroup
+
+# Recent torch renamed the dim-aware funcol collectives (the old names warn); older releases lack the new ones.
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    """Per-rank lengths of `length` split over `parts` ranks, as `torch.tensor_split` does."""
+    base, extra = divmod(length, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _record(axis: AxisGroup, num_bytes: float) -> None:
+    """Count bytes moved on `axis` (eager only: a traced graph would count once, at compile time)."""
+    if not torch.compiler.is_compiling():
+        axis.record(int(num_bytes))
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    """Materialize a functional collective's result (eager mode returns an AsyncCollectiveTensor)."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+def _resolve_sizes(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: Sequence[int] | None) -> list[int]:
+    """Per-rank lengths along `dim`: given, or an even split of the local length."""
+    if sizes is None:
+        return [x.shape[dim]] * axis.size
+    sizes = list(sizes)
+    assert len(sizes) == axis.size and sizes[axis.rank] == x.shape[dim], \
+        f"sizes {sizes} do not match the local length {x.shape[dim]} on rank {axis.rank} of {axis.name}"
+    return sizes
+
+
+def _pad_to(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """Zero-pad `x` along `dim` up to `length`."""
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = missing
+    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+
+
+def _own_chunk(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+    """This rank's contiguous chunk of `x` along `dim` (no communication)."""
+    start = sum(sizes[: axis.rank])
+    return x.narrow(dim, start, sizes[axis.rank]).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """All-reduce over `axis`; records 2(n-1)/n x bytes(x)."""
+    n = axis.size
+    _record(axis, 2 * (n - 1) * _nbytes(x) / n)
+    return _wait(funcol.all_reduce(x.contiguous(), op, axis.group))
+
+
+def all_reduce_tensor(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """Plain (not differentiable) all-reduce over `axis` with byte accounting, for autograd Functions
+    that write their own backward (e.g. the vocab-parallel cross-entropy). `op`: 'sum' | 'max' | ...
+    """
+    return x if axis.size == 1 else _all_reduce(x, axis, op)
+
+
+def _all_gather(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+    """Concatenate every rank's chunk along `dim`; records (n-1)/n x bytes(gathered buffer)."""
+    n, longest = axis.size, max(sizes)
+    padded = _pad_to(x, dim, longest).contiguous()
+    _record(axis, (n - 1) * _nbytes(padded))
+    gathered = _wait(_all_gather_single(padded, dim, axis.group))  # (..., n * longest, ...)
+    if all(s == longest for s in sizes):
+        return gathered
+    return torch.cat([gathered.narrow(dim, r * longest, s) for r, s in enumerate(sizes)], dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+    """Sum over `axis`, keep this rank's chunk along `dim`; records (n-1)/n x bytes(sent input)."""
+    n = axis.size
+    sizes = split_sizes(x.shape[dim], n)
+    longest = max(sizes)
+    if any(s != longest for s in sizes):
+        x = torch.cat([_pad_to(c, dim, longest) for c in x.tensor_split(n, dim=dim)], dim=dim)
+    x = x.contiguous()
+    _record(axis, (n - 1) * _nbytes(x) / n)
+    out = _wait(_reduce_scatter_single(x, "sum", dim, axis.group))  # (..., longest, ...)
+    return out.narrow(dim, 0, sizes[axis.rank])
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Megatron's `f`: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.axis), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Megatron's `g`: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """Keep this rank's chunk along `dim` forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        ctx.sizes = split_sizes(x.shape[dim], axis.size)
+        return _own_chunk(x, axis, dim, ctx.sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.axis, ctx.dim, ctx.sizes), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """All-gather along `dim` forward; keep this rank's chunk of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
+        return _all_gather(x, axis, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _own_chunk(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
+
+
+class _AllGatherRegion(torch.autograd.Function):
+    """All-gather along `dim` forward; reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        return _all_gather(x, axis, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.axis, ctx.dim), None, None, None
+
+
+class _ReduceScatterRegion(torch.autograd.Function):
+    """Reduce-scatter along `dim` forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+        ctx.axis, ctx.dim = axis, dim
+        ctx.sizes = split_sizes(x.shape[dim], axis.size)
+        return _reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.axis, ctx.dim, ctx.sizes), None, None
+
+
+def copy_to_region(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    """Enter a tensor-parallel region: fwd identity, bwd all-reduce (sum) over `axis`.
+
+    The `f` operator of Megatron-LM (Shoeybi et al. 2019, fig. 3): placed before a column-parallel
+    linear whose replicated input feeds every rank, so the input gradient is the sum of the ranks'
+    partial gradients.
+    """
+    return x if axis.size == 1 else _CopyToRegion.apply(x, axis)
+
+
+def reduce_from_region(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    """Leave a tensor-parallel region: fwd all-reduce (sum) over `axis`, bwd identity.
+
+    The `g` operator of Megatron-LM (Shoeybi et al. 2019, fig. 3): sums the partial outputs of a
+    row-parallel linear; the replicated output gradient passes through unchanged.
+    """
+    return x if axis.size == 1 else _ReduceFromRegion.apply(x, axis)
+
+
+def scatter_to_region(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+    """Split a replicated tensor along `dim`: fwd keep own chunk (tensor_split), bwd all-gather.
+
+    Enters the sequence-parallel region (Korthikanti et al. 2022) from replicated activations.
+    """
+    return x if axis.size == 1 else _ScatterToRegion.apply(x, axis, dim % x.dim())
+
+
+def gather_from_region(x: torch.Tensor, axis: AxisGroup, dim: int,
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Reassemble chunks along `dim`: fwd all-gather, bwd keep own chunk of the gradient.
+
+    Leaves the sequence-parallel region (Korthikanti et al. 2022) for replicated computation, or
+    gathers a column-parallel output (Megatron's `gather_output`). `sizes`: per-rank lengths along
+    `dim` (default: every rank holds as many as this one).
+    """
+    if axis.size == 1:
+        return x
+    dim %= x.dim()
+    return _GatherFromRegion.apply(x, axis, dim, _resolve_sizes(x, axis, dim, sizes))
+
+
+def all_gather_region(x: torch.Tensor, axis: AxisGroup, dim: int,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sequence shards -> full sequence for a tensor-parallel block: fwd all-gather, bwd reduce-scatter.
+
+    The `g` operator of sequence parallelism (Korthikanti et al. 2022, fig. 5), replacing Megatron's
+    `f`: the gradients of the replicated full input are partial over `axis`, summed and split back.
+    """
+    if axis.size == 1:
+        return x
+    dim %= x.dim()
+    return _AllGatherRegion.apply(x, axis, dim, _resolve_sizes(x, axis, dim, sizes))
+
+
+def reduce_scatter_region(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+    """Partial full-sequence outputs -> summed sequence shards: fwd reduce-scatter, bwd all-gather.
+
+    The `g-bar` operator of sequence parallelism (Korthikanti et al. 2022, fig. 5), replacing
+    Megatron's `g` after a row-parallel linear.
+    """
+    return x if axis.size == 1 else _ReduceScatterRegion.apply(x, axis, dim % x.dim())

@@ -1,0 +1,103 @@
+"""Tensor (and sequence) parallelism for a serial model: swap its layers in place for parallel ones.
+
+`parallelize(model, grid=grid, sequence_parallel=...)` shards, over the grid's tp axis:
+- every `networks.blocks.Attention`: `qkv` column-parallel (whole heads per rank, because its output
+  features are ordered (head, {q,k,v}, head_dim)), `proj` row-parallel;
+- every `networks.blocks.MLP`: `fc1` column-parallel, `fc2` row-parallel;
+- the language model convention (`networks/transformer.py`): `tok_embed` vocab-parallel, `lm_head`
+  column-parallel over the vocabulary without gathering (still tied to `tok_embed` when it was),
+  `criterion` the vocab-parallel cross-entropy;
+- under sequence parallelism (Korthikanti et al. 2022): the LayerNorms inside the sequence region
+  (blocks' `norm1`/`norm2`, the model's final `norm`) become sequence-parallel, the `SequenceRegion`
+  markers split ('enter') and gather ('exit') the sequence over tp, and the linears all-gather /
+  reduce-scatter along the sequence instead of all-reduce. Without it the regions stay identities.
+
+Weights are copied shard by shard from the serial model (`from_serial`), so the full weights of a
+parallel model equal the serial ones. Per block and training step the blocks move 8(t-1)/t x A bytes
+on tp (A = batch x tokens x hidden x bytes/element) with or without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from distributed.layers import (ColumnParallelLinear, GatherSequence, RowParallelLinear, ScatterSequence,
+                                SequenceParallelLayerNorm, SequenceShards, VocabParallelCrossEntropy,
+                                VocabParallelEmbedding)
+from networks.blocks import MLP, Attention, Block, SequenceRegion
+from utils.comm import Axis, AxisGroup, Grid
+from utils.errors import require
+
+
+def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool) -> nn.Module:
+    """Shard `model` over grid's tp axis in place and return it (unchanged at tp == 1).
+
+    Raises ConfigError when tp does not divide the number of attention heads.
+    """
+    axis = grid.axis(Axis.TP)
+    if axis.size == 1:
+        return model
+    check_heads(model, axis.size)
+    shards = SequenceShards(axis)
+    _parallelize_vocab(model, axis, sequence_parallel, shards)
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            module.qkv = ColumnParallelLinear.from_serial(module.qkv, axis, sequence_parallel=sequence_parallel,
+                                                          shards=shards)
+            module.proj = RowParallelLinear.from_serial(module.proj, axis, sequence_parallel=sequence_parallel)
+        elif isinstance(module, MLP):
+            module.fc1 = ColumnParallelLinear.from_serial(module.fc1, axis, sequence_parallel=sequence_parallel,
+                                                          shards=shards)
+            module.fc2 = RowParallelLinear.from_serial(module.fc2, axis, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        _parallelize_sequence_region(model, axis, shards)
+    return model
+
+
+def check_heads(model: nn.Module, tp: int) -> None:
+    """ConfigError unless `tp` divides the head count of every attention layer of `model`."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            heads = module.qkv.out_features // (3 * module.head_dim)
+            require(heads % tp == 0, f"model.num_heads={heads} is not divisible by parallel.tp={tp}",
+                    "model.num_heads", f"choose model.num_heads a multiple of parallel.tp or a parallel.tp "
+                    f"that divides {heads}")
+
+
+def _parallelize_vocab(model: nn.Module, axis: AxisGroup, sequence_parallel: bool, shards: SequenceShards) -> None:
+    """Language models: vocab-parallel tok_embed, lm_head (tie kept) and criterion.
+
+    The embedding all-reduces (no sequence split of its own) because positions are added and the
+    sequence is split afterwards, at the model's 'enter' region. The head reads the sequence-parallel
+    layout of the final norm and all-gathers it, so logits are (B, S, V_local) with replicated targets.
+    """
+    embed, head = getattr(model, "tok_embed", None), getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if isinstance(embed, nn.Embedding):
+        model.tok_embed = VocabParallelEmbedding.from_serial(embed, axis)
+    if isinstance(head, nn.Linear):
+        model.lm_head = ColumnParallelLinear.from_serial(head, axis, sequence_parallel=sequence_parallel,
+                                                         shards=shards)
+        if tied:
+            model.lm_head.weight = model.tok_embed.weight  # the same contiguous vocabulary rows
+        if isinstance(getattr(model, "criterion", None), nn.Module):
+            model.criterion = VocabParallelCrossEntropy.from_serial(model.criterion, axis, head.out_features)
+
+
+def _parallelize_sequence_region(model: nn.Module, axis: AxisGroup, shards: SequenceShards) -> None:
+    """Sequence-parallel LayerNorms inside the region, and the region markers as split/gather."""
+    for module in list(model.modules()):
+        if isinstance(module, Block):
+            module.norm1 = SequenceParallelLayerNorm.from_serial(module.norm1, axis)
+            module.norm2 = SequenceParallelLayerNorm.from_serial(module.norm2, axis)
+    norm = getattr(model, "norm", None)
+    if isinstance(norm, nn.LayerNorm) and not isinstance(norm, SequenceParallelLayerNorm):
+        model.norm = SequenceParallelLayerNorm.from_serial(norm, axis)
+    entries = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, SequenceRegion):
+                region = ScatterSequence if child.kind == "enter" else GatherSequence
+                setattr(parent, name, region(axis, child.seq_dim, shards))
+                entries += child.kind == "enter"
+    assert entries == 1, f"sequence parallelism needs exactly one 'enter' SequenceRegion, found {entries}"
