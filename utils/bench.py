@@ -58,11 +58,11 @@ def run(argv: list[str]) -> str:
     grid = init_grid(cfg.parallel)
     task = build_task(cfg, load_data=False)
     configure_matmul(cfg.precision.mode)
-    model, raw = build_model(cfg, task, grid)
-    optimizer = build_optimizer(cfg.optim, raw.parameters(), grid.device)
+    built = build_model(cfg, task, grid)
+    optimizer = build_optimizer(cfg.optim, built.raw.parameters(), grid.device)
     scheduler = build_scheduler(cfg.optim, optimizer, warmup + steps)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg=cfg, grid=grid, task=task, model=model, raw_model=raw, optimizer=optimizer,
+        trainer = Trainer(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer,
                           scheduler=scheduler, scaler=grad_scaler(cfg.precision.mode, grid.device), loaders=None,
                           run_dir=Path(tmp), log=logging.getLogger("dlscale"))
         batch = cfg.trainer.global_batch_size

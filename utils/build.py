@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,10 +32,18 @@ def build_run_dir(cfg: Config, choices: dict[str, str], grid: Grid) -> Path:
     return Path(cfg.run.root) / name
 
 
-def build_model(cfg: Config, task, grid: Grid) -> tuple[nn.Module, nn.Module]:
-    """(model to train, possibly DDP-wrapped; the underlying module). Full weights from the seed, then shards."""
+@dataclass
+class BuiltModel:
+    model: nn.Module  # what the loop calls: DDP-wrapped when there are data-parallel replicas
+    raw: nn.Module  # the (parallelized) module underneath: state dicts, criterion, parameters
+    flops_per_sample: float  # training FLOPs of one sample of the full (unsharded) model
+
+
+def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
+    """Full weights from the seed (identical on every rank and layout), then this rank's shards."""
     torch.manual_seed(cfg.trainer.seed)
-    model = task.build_model()  # full serial weights on CPU: identical on every rank and layout
+    model = task.build_model()  # full serial weights on CPU
+    flops = task.flops_per_sample(model.matmul_params())  # counted before sharding
     if grid.size(Axis.TP) > 1:
         from distributed.parallelize import parallelize
 
@@ -47,8 +56,8 @@ def build_model(cfg: Config, task, grid: Grid) -> tuple[nn.Module, nn.Module]:
     if grid.world_size > 1:
         from distributed.data_parallel import wrap_data_parallel
 
-        return wrap_data_parallel(model, grid=grid), model
-    return model, model
+        return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
+    return BuiltModel(model, model, flops)
 
 
 def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -69,12 +78,13 @@ def build_trainer(cfg: Config, choices: dict[str, str], config_yaml: str, task, 
 
     configure_matmul(cfg.precision.mode)
     dp = grid.axis(Axis.DP)
-    model, raw = build_model(cfg, task, grid)
+    built = build_model(cfg, task, grid)
+    raw = built.raw
     optimizer = build_optimizer(cfg.optim, raw.parameters(), grid.device)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
     scaler = grad_scaler(cfg.precision.mode, grid.device)
     resume = resolve_resume(cfg.trainer.resume, Checkpointer(run_dir, grid.global_rank))
-    trainer_args = dict(cfg=cfg, grid=grid, task=task, model=model, raw_model=raw, optimizer=optimizer,
+    trainer_args = dict(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer,
                         scheduler=scheduler, scaler=scaler, run_dir=run_dir, log=log)
     state = Checkpointer(run_dir, grid.global_rank).load(resume) if resume else None
     start = int(state["step"]) if state else 0

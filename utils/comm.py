@@ -140,6 +140,7 @@ class Grid:
     def axis(self, *axes: Axis | str) -> AxisGroup:
         """The AxisGroup of one axis or of the product of several (e.g. grid.axis('dp', 'cp'))."""
         keys = tuple(sorted({Axis(a) for a in axes}, key=self.order.index))
+        keys = tuple(a for a in keys if self.sizes[a] > 1) or keys[:1]  # size-1 axes change no group
         name = "_".join(a.value for a in keys)
         if name not in self._axes:
             self._axes[name] = self._build_axis(keys, name)

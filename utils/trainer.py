@@ -12,6 +12,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from distributed.data_parallel import no_sync, sync_partial_grads
+from distributed.grad_norm import clip_grad_norm
 from utils.checkpoint import Checkpointer, rng_state, set_rng_state
 from utils.comm import Axis, Grid
 from utils.errors import require
@@ -57,10 +59,10 @@ def peak_memory_gib(device: torch.device) -> float:
 class Trainer:
     """Runs `max_steps` optimizer steps of a built model on a built task; see utils/build.py."""
 
-    def __init__(self, *, cfg, grid: Grid, task, model, raw_model, optimizer, scheduler, scaler, loaders,
+    def __init__(self, *, cfg, grid: Grid, task, built, optimizer, scheduler, scaler, loaders,
                  run_dir, log, start_step: int = 0):
         self.cfg, self.tc, self.grid, self.task = cfg, cfg.trainer, grid, task
-        self.model, self.raw_model = model, raw_model
+        self.model, self.raw_model = built.model, built.raw
         self.optimizer, self.scheduler, self.scaler, self.loaders = optimizer, scheduler, scaler, loaders
         self.run_dir, self.log, self.step = run_dir, log, start_step
         self.device = grid.device
@@ -69,7 +71,7 @@ class Trainer:
         self.checkpointer = Checkpointer(run_dir, grid.global_rank, self.tc.ckpt_keep)
         self.tb = TensorBoard(run_dir, grid.is_main, start_step)
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
-        self.flops_per_sample = task.flops_per_sample(raw_model.matmul_params())
+        self.flops_per_sample = built.flops_per_sample
 
     def state(self) -> dict:
         return {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -90,7 +92,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
             sync = i == micro - 1  # reduce gradients over dp only after the last micro-batch
-            with self.no_sync(not sync), self.autocast():
+            with (contextlib.nullcontext() if sync else no_sync(self.model)), self.autocast():
                 loss = self.raw_model.criterion(self.model(x), y) / micro
             self.scaler.scale(loss).backward()
             total += loss.detach()
@@ -103,19 +105,11 @@ class Trainer:
         self.scheduler.step()
         return self.mean_over_dp(total), grad_norm
 
-    def no_sync(self, skip: bool):
-        return self.model.no_sync() if skip and hasattr(self.model, "no_sync") else contextlib.nullcontext()
-
     def finish_grads(self) -> None:
         """Reduce gradients that are partial sums over model-parallel axes (none without tp/cp)."""
-        if self.grid.world_size > 1:
-            from distributed.data_parallel import sync_partial_grads
-
-            sync_partial_grads(self.raw_model, grid=self.grid)
+        sync_partial_grads(self.raw_model, grid=self.grid)
 
     def clip_grad_norm(self) -> torch.Tensor:
-        from distributed.grad_norm import clip_grad_norm
-
         return clip_grad_norm(self.raw_model, grid=self.grid, max_norm=self.cfg.optim.grad_clip)
 
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:

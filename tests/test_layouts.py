@@ -1,0 +1,93 @@
+"""Layout invariance through the real entry points: every layout follows the single-process loss curve.
+
+fp32 on CPU with dropout 0: the per-step training loss of dp=2, tp=2, tp=2 x dp=2 (two orders) matches
+the one-process run within relative 1e-4 for 10 steps, for the ViT and for the language model. Runs go
+through train_mp.py (and once through torchrun), exactly as users launch them.
+"""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, read_scalars, run_entry
+
+STEPS = 10
+COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
+          "trainer.log_every=5"]
+VIT = ["trainer.global_batch_size=8"]
+GPT = ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "trainer.global_batch_size=8", "optim.lr=2e-3"]
+
+LAYOUTS = {
+    "dp2": ["parallel.dp=2"],
+    "tp2": ["parallel=tp2"],
+    "tp2dp2": ["parallel=tp2", "parallel.dp=2"],
+    "tp2dp2_dp_first": ["parallel=tp2", "parallel.dp=2", "parallel.order=dp-tp-cp-pp"],
+}
+
+
+def losses(run_dir):
+    return [v for _, v in read_scalars(run_dir)["train/loss"]]
+
+
+def run_layout(tmp_path, name, workload, *args):
+    run_dir = tmp_path / name
+    proc = run_entry("train_mp.py", *workload, *COMMON, f"run.dir={run_dir}", *args, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return run_dir
+
+
+def assert_same_curve(reference, other):
+    assert len(reference) == len(other) == STEPS
+    assert other == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def vit_reference(tmp_path_factory, era5_root):
+    tmp = tmp_path_factory.mktemp("vit")
+    return losses(run_layout(tmp, "single", VIT, f"data.root={era5_root}")), tmp
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5_root):
+    reference, tmp = vit_reference
+    run_dir = run_layout(tmp, layout, VIT, f"data.root={era5_root}", *LAYOUTS[layout])
+    assert_same_curve(reference, losses(run_dir))
+    scalars = read_scalars(run_dir)
+    if "dp2" in layout:
+        assert "comm/dp_bytes" in scalars
+    if "tp2" in layout:
+        assert scalars["comm/tp_bytes"][0][1] > 0
+
+
+def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
+    reference, tmp = vit_reference
+    run_dir = run_layout(tmp, "tp2_nosp", VIT, f"data.root={era5_root}", "parallel=tp2",
+                         "parallel.sequence_parallel=false")
+    assert_same_curve(reference, losses(run_dir))
+
+
+def test_torchrun_launch(vit_reference, era5_root):
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not on PATH")
+    reference, tmp = vit_reference
+    run_dir = tmp / "torchrun"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "train.py"), *VIT, *COMMON, f"data.root={era5_root}", f"run.dir={run_dir}",
+                           "parallel=tp2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_curve(reference, losses(run_dir))
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(tmp_path_factory, corpus_root):
+    tmp = tmp_path_factory.mktemp("gpt")
+    return losses(run_layout(tmp, "single", GPT, f"data.root={corpus_root}")), tmp
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "tp2dp2"])
+def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corpus_root):
+    reference, tmp = gpt_reference
+    run_dir = run_layout(tmp, layout, GPT, f"data.root={corpus_root}", *LAYOUTS[layout])
+    assert_same_curve(reference, losses(run_dir))
