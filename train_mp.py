@@ -58,7 +58,8 @@ def rank_env(rank: int, world: int, port: int, use_gpus: bool) -> dict[str, str]
                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if not use_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+        # CPU ranks share the cores: more threads than cores makes every collective wait on spinning threads
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // world))
     return env
 
 

@@ -21,7 +21,7 @@ def era5_root(tmp_path_factory) -> Path:
 
 def run_entry(script: str, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run an entry point (train.py, train_mp.py) as users do, with a bounded time."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1")
     full_env.update(env or {})
     return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
