@@ -19,26 +19,16 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(USAGE)
         return 0
-    from utils.build import build_run_dir, build_trainer
-    from utils.comm import Axis, check_grid, destroy_grid, init_grid
+    from utils.build import build_run
+    from utils.comm import destroy_grid
     from utils.config import load_config
-    from utils.data import check_batch
-    from utils.logger import setup_logging
-    from utils.tasks import build_task
 
     try:
         cfg, choices, config_yaml = load_config([a for a in argv if a != "--cfg"])
         if "--cfg" in argv:
             print(config_yaml)
             return 0
-        sizes = check_grid(cfg.parallel)
-        task = build_task(cfg)
-        check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps, len(task.train_set))
-        grid = init_grid(cfg.parallel)
-        run_dir = build_run_dir(cfg, choices, grid)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        log = setup_logging(run_dir, grid.is_main)
-        trainer = build_trainer(cfg, choices, config_yaml, task, grid, log, run_dir)
+        trainer = build_run(cfg, choices, config_yaml)
         trainer.fit()
     except ConfigError as err:
         exit_bad_input(err)

@@ -9,11 +9,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from utils.comm import Axis, Grid
+from utils.comm import Axis, Grid, check_grid, init_grid
 from utils.config import Config
-from utils.data import build_loaders
+from utils.data import build_loaders, check_batch
+from utils.logger import setup_logging
 from utils.optim import build_optimizer, build_scheduler
 from utils.precision import configure_matmul, grad_scaler
+from utils.tasks import build_task
 from utils.trainer import Trainer
 
 
@@ -69,6 +71,18 @@ def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> st
     n = sum(p.numel() for p in model.parameters())
     return (f"this rank holds {n / 1e6:.2f}M parameters: {params / 2**20:.1f} MiB weights, "
             f"{params / 2**20:.1f} MiB gradients, {state / 2**20:.1f} MiB optimizer state")
+
+
+def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer:
+    """Everything train.py does before fitting: validate against the data and the launch, then build."""
+    sizes = check_grid(cfg.parallel)
+    task = build_task(cfg)  # inspects the data: every data error is raised before distributed work
+    check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps, len(task.train_set))
+    grid = init_grid(cfg.parallel)
+    run_dir = build_run_dir(cfg, choices, grid)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = setup_logging(run_dir, grid.is_main)
+    return build_trainer(cfg, choices, config_yaml, task, grid, log, run_dir)
 
 
 def build_trainer(cfg: Config, choices: dict[str, str], config_yaml: str, task, grid: Grid,

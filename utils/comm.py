@@ -234,9 +234,14 @@ def init_grid(cfg: ParallelConfig) -> Grid:
         os.environ.setdefault("RANK", str(env.rank))
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        try:
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+        except dist.DistStoreError as err:
+            raise ConfigError(f"not all {env.world_size} ranks joined within {cfg.init_timeout_s} s ({err})",
+                              "parallel.init_timeout_s",
+                              "check the other ranks' output: a rank that fails its checks exits before joining") from None
     mesh = build_mesh(sizes, order, device)
     return Grid(sizes, order, env.rank, device, mesh)
 

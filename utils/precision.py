@@ -6,6 +6,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from utils.errors import require
 
@@ -45,6 +46,27 @@ def autocast(mode: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def grad_scaler(mode: str, device: torch.device) -> torch.amp.GradScaler:
+class GridGradScaler(torch.amp.GradScaler):
+    """A loss scaler whose inf/NaN verdict every rank agrees on.
+
+    Under tensor (or pipeline) parallelism each rank unscales different gradient shards, so one rank
+    can find an inf that another does not; stepping on some ranks and skipping on others would split
+    the replicas for good. After the local unscale, the found-inf flags are max-reduced over all ranks
+    (as Megatron does over its model-parallel group), so a skipped step is skipped everywhere and every
+    rank's scale evolves identically.
+    """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if not self.is_enabled() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        flags = list(self._found_inf_per_device(optimizer).values())  # torch keeps them per device
+        verdict = torch.stack(flags).amax() if flags else torch.zeros((), device=self._scale.device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        for flag in flags:
+            flag.copy_(verdict)
+
+
+def grad_scaler(mode: str, device: torch.device) -> GridGradScaler:
     """A loss scaler, enabled for fp16 only (bf16 has fp32's range)."""
-    return torch.amp.GradScaler(device.type, enabled=mode == "fp16")
+    return GridGradScaler(device.type, enabled=mode == "fp16")

@@ -1,0 +1,37 @@
+"""Bad launches end the job: a grid that does not fit exits 2 at once; one failing rank stops the rest."""
+
+import os
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT, run_entry
+from train_mp import free_port, supervise
+
+
+def test_train_mp_rejects_a_grid_that_does_not_fit():
+    proc = run_entry("train_mp.py", "parallel=tp2", "--nproc", "3", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: world size 3 does not fit tp=2") and "Traceback" not in proc.stderr
+
+
+def test_supervisor_stops_the_other_ranks_when_one_fails():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    start = time.time()
+    assert supervise([sleeper, failing]) == 3
+    assert sleeper.poll() is not None and time.time() - start < 20
+
+
+def test_a_rank_whose_partner_failed_its_checks_does_not_hang(tmp_path, era5_root):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    args = [sys.executable, str(ROOT / "train.py"), "parallel.dp=2", "parallel.init_timeout_s=5",
+            f"run.dir={tmp_path}"]
+    bad = subprocess.run(args + ["data=era5", "data.root=/nonexistent"], env=dict(env, RANK="1"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    start = time.time()
+    good = subprocess.run(args + [f"data.root={era5_root}"], env=dict(env, RANK="0"), capture_output=True,
+                          text=True, timeout=120)
+    assert good.returncode == 2 and "(parallel.init_timeout_s)" in good.stderr, good.stderr[-2000:]
+    assert len(good.stderr.strip().splitlines()) == 1 and time.time() - start < 60

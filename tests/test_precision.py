@@ -1,0 +1,75 @@
+"""Precision modes, loss scaling, gradient accumulation and activation checkpointing, through the real
+build path (utils.build.build_run, as train.py) in-process, for the ViT and the language model."""
+
+import math
+
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+from utils.build import build_run
+from utils.config import load_config
+from utils.precision import GridGradScaler
+
+
+def make_trainer(run_dir, *overrides):
+    cfg, choices, yaml = load_config([f"run.dir={run_dir}", "trainer.num_workers=0", *overrides])
+    return build_run(cfg, choices, yaml)
+
+
+def train_losses(trainer, steps):
+    batches = iter(trainer.loaders.train)
+    return [trainer.train_step(*next(batches))[0].item() for _ in range(steps)]
+
+
+@pytest.fixture
+def workloads(era5_root, corpus_root):
+    return {"vit": ["trainer.global_batch_size=8", f"data.root={era5_root}"],
+            "gpt": ["model=gpt_tiny", "data=wikitext_sample", f"data.root={corpus_root}", "data.seq_len=32",
+                    "trainer.global_batch_size=8", "optim.lr=2e-3"]}
+
+
+@pytest.mark.parametrize("workload", ["vit", "gpt"])
+@pytest.mark.parametrize("mode,dtype", [("fp32", torch.float32), ("tf32", torch.float32),
+                                        ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_every_precision_trains(workload, mode, dtype, workloads, tmp_path):
+    trainer = make_trainer(tmp_path, f"precision={mode}", *workloads[workload])
+    with trainer.autocast():
+        assert trainer.raw_model.blocks[0].mlp.fc1(torch.randn(2, trainer.raw_model.blocks[0].mlp.fc1.in_features)).dtype == dtype
+    assert trainer.scaler.is_enabled() == (mode == "fp16")
+    assert torch.backends.cuda.matmul.allow_tf32 == (mode != "fp32")
+    losses = train_losses(trainer, 6)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    if mode == "fp16":
+        assert trainer.state()["scaler"]["scale"] > 0  # the scaler's state goes into checkpoints
+
+
+def test_gradient_accumulation_follows_the_unaccumulated_curve(workloads, tmp_path):
+    plain = train_losses(make_trainer(tmp_path / "a", *workloads["vit"]), 5)
+    accumulated = train_losses(make_trainer(tmp_path / "b", *workloads["vit"], "trainer.grad_accum_steps=4"), 5)
+    assert accumulated == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.parametrize("workload", ["vit", "gpt"])
+def test_activation_checkpointing_changes_nothing(workload, workloads, tmp_path):
+    plain = train_losses(make_trainer(tmp_path / "a", *workloads[workload]), 4)
+    checkpointed = train_losses(make_trainer(tmp_path / "b", *workloads[workload],
+                                             "trainer.activation_checkpointing=true"), 4)
+    assert checkpointed == pytest.approx(plain, rel=1e-6)
+
+
+def _scaler_rank(rank, world_size):
+    """Rank 1 alone sees an inf gradient: both ranks must skip the step and back off the scale."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = GridGradScaler("cpu", init_scale=1024.0)
+    scaler.scale((weight * (float("inf") if rank == 1 else 1.0)).sum()).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(weight.detach(), torch.ones(3)), "the step must be skipped on every rank"
+    assert scaler.get_scale() == 512.0
+
+
+def test_fp16_inf_verdict_agrees_across_ranks(tmp_path):
+    run_ranks(_scaler_rank, 2, tmp_path)
