@@ -24,6 +24,7 @@ LAYOUTS = {
     "tp2": ["parallel=tp2"],
     "tp2dp2": ["parallel=tp2", "parallel.dp=2"],
     "tp2dp2_dp_first": ["parallel=tp2", "parallel.dp=2", "parallel.order=dp-tp-cp-pp"],
+    "dp2_accum2": ["parallel.dp=2", "trainer.grad_accum_steps=2"],  # no dp sync before the last micro-batch
 }
 
 

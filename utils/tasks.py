@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from networks.transformer import GPT, GPTConfig, check_seq_len
+from networks.transformer import GPT, GPTConfig, check_seq_len, padded_vocab_size
 from networks.vit import ViT, ViTConfig
 from utils.comm import Axis, AxisGroup, Grid
 from utils.era5 import ERA5Config, ERA5Dataset, latitude_weights
@@ -150,7 +150,12 @@ class LanguageTask:
         self.unigram_ppl = unigram_perplexity(self.corpus.train, self.corpus.valid, self.corpus.vocab_size)
 
     def describe(self) -> str:
-        return self.corpus.describe() if self.corpus else ""
+        if not self.corpus:
+            return ""
+        padded = padded_vocab_size(self.vocab_size, self.model_cfg.vocab_multiple)
+        note = (f"; vocabulary padded from {self.vocab_size} to {padded} rows (multiple of model.vocab_multiple="
+                f"{self.model_cfg.vocab_multiple}, split over tp ranks); padded logits are masked")
+        return self.corpus.describe() + (note if padded != self.vocab_size else "")
 
     @property
     def vocab_size(self) -> int:
