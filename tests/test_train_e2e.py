@@ -42,3 +42,16 @@ def test_finished_run_does_nothing_and_never_starts_over(tmp_path, era5_root):
     assert "nothing to do" in proc.stdout
     _, proc = train(tmp_path, era5_root, "run", *args, "trainer.resume=never")
     assert "resumed" not in proc.stdout and "step 3/3" in proc.stdout
+
+
+def test_era5_files_written_elsewhere(tmp_path):
+    """data=era5 trains on files in the NERSC layout that our generator did not write."""
+    from tests.test_era5 import write_layout
+
+    root = write_layout(tmp_path / "era5", steps=6, channels=20)
+    run_dir = tmp_path / "run"
+    proc = run_entry("train.py", "data=era5", f"data.root={root}", "data.img_size=[12,20]", "model.patch_size=4",
+                     f"run.dir={run_dir}", "trainer.max_steps=3", "trainer.global_batch_size=2",
+                     "trainer.num_workers=0", "trainer.val_every=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_scalars(run_dir)["train/loss"]) == 3
