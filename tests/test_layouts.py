@@ -28,8 +28,10 @@ LAYOUTS = {
 }
 
 
-def losses(run_dir):
-    return [v for _, v in read_scalars(run_dir)["train/loss"]]
+def curves(run_dir):
+    """(train/loss, train/grad_norm) per step: the norm checks the sharded-gradient reduction too."""
+    scalars = read_scalars(run_dir)
+    return [v for _, v in scalars["train/loss"]], [v for _, v in scalars["train/grad_norm"]]
 
 
 def run_layout(tmp_path, name, workload, *args):
@@ -40,21 +42,22 @@ def run_layout(tmp_path, name, workload, *args):
 
 
 def assert_same_curve(reference, other):
-    assert len(reference) == len(other) == STEPS
-    assert other == pytest.approx(reference, rel=1e-4)
+    for ref, got in zip(reference, other):
+        assert len(ref) == len(got) == STEPS
+        assert got == pytest.approx(ref, rel=1e-4)
 
 
 @pytest.fixture(scope="module")
 def vit_reference(tmp_path_factory, era5_root):
     tmp = tmp_path_factory.mktemp("vit")
-    return losses(run_layout(tmp, "single", VIT, f"data.root={era5_root}")), tmp
+    return curves(run_layout(tmp, "single", VIT, f"data.root={era5_root}")), tmp
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5_root):
     reference, tmp = vit_reference
     run_dir = run_layout(tmp, layout, VIT, f"data.root={era5_root}", *LAYOUTS[layout])
-    assert_same_curve(reference, losses(run_dir))
+    assert_same_curve(reference, curves(run_dir))
     scalars = read_scalars(run_dir)
     if "dp2" in layout:
         assert "comm/dp_bytes" in scalars
@@ -66,7 +69,7 @@ def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
     reference, tmp = vit_reference
     run_dir = run_layout(tmp, "tp2_nosp", VIT, f"data.root={era5_root}", "parallel=tp2",
                          "parallel.sequence_parallel=false")
-    assert_same_curve(reference, losses(run_dir))
+    assert_same_curve(reference, curves(run_dir))
 
 
 def test_torchrun_launch(vit_reference, era5_root):
@@ -78,17 +81,17 @@ def test_torchrun_launch(vit_reference, era5_root):
                            str(ROOT / "train.py"), *VIT, *COMMON, f"data.root={era5_root}", f"run.dir={run_dir}",
                            "parallel=tp2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_same_curve(reference, losses(run_dir))
+    assert_same_curve(reference, curves(run_dir))
 
 
 @pytest.fixture(scope="module")
 def gpt_reference(tmp_path_factory, corpus_root):
     tmp = tmp_path_factory.mktemp("gpt")
-    return losses(run_layout(tmp, "single", GPT, f"data.root={corpus_root}")), tmp
+    return curves(run_layout(tmp, "single", GPT, f"data.root={corpus_root}")), tmp
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "tp2dp2"])
 def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corpus_root):
     reference, tmp = gpt_reference
     run_dir = run_layout(tmp, layout, GPT, f"data.root={corpus_root}", *LAYOUTS[layout])
-    assert_same_curve(reference, losses(run_dir))
+    assert_same_curve(reference, curves(run_dir))
