@@ -2,33 +2,27 @@
 
 Wrapping block by block (as torchtitan does) keeps compile units small and identical, so a model
 compiles one block graph and reuses it, and checkpointing recomputes one block at a time in backward.
+With both on, dynamo traces the (non-reentrant) checkpoint as part of the block: still one graph.
+The tensor-parallel mappings trace without graph breaks (tests/test_compile.py); a new grad mode,
+autocast state or input shape compiles another graph. Collectives inside compiled blocks are not
+counted in the grid's byte counters (`distributed.mappings` records in eager mode only).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-
-class CheckpointedBlock(nn.Module):
-    """Runs `block` without keeping its activations; backward recomputes them (non-reentrant)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        if not torch.is_grad_enabled():
-            return self.block(x)
-        return checkpoint(self.block, x, use_reentrant=False)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 
 def wrap_blocks(model: nn.Module, *, checkpoint: bool, compile: bool) -> None:
-    """Wrap every entry of `model.blocks` in place (checkpoint inside compile when both are on)."""
+    """Wrap every entry of `model.blocks` in place (checkpoint inside compile when both are on).
+
+    torch's checkpoint_wrapper (non-reentrant) keeps parameter and state-dict names unchanged, so a
+    checkpoint written with activation checkpointing on loads with it off and the other way round.
+    """
     for i, block in enumerate(model.blocks):
         if checkpoint:
-            block = CheckpointedBlock(block)
+            block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if compile:
             block.compile()
         model.blocks[i] = block
