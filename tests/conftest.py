@@ -27,6 +27,15 @@ def run_entry(script: str, *args: str, timeout: float = 240, env: dict | None = 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def read_tags(run_dir: Path) -> dict[str, list[str]]:
+    """Tag names of a run's TensorBoard events by kind (scalars, images, tensors for text)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc.Tags()
+
+
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag of a run's TensorBoard events: tag -> [(step, value)]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tests.conftest import read_scalars, run_entry
+from tests.conftest import read_scalars, read_tags, run_entry
 
 LM = ["model=gpt_tiny", "data=wikitext_sample", "trainer.num_workers=0", "trainer.log_every=20"]
 
@@ -19,6 +19,7 @@ def test_gpt_tiny_beats_unigram(tmp_path, corpus_root):
     scalars = read_scalars(run_dir)
     for tag in ("train/loss", "val/loss", "val/ppl", "perf/tokens_per_sec", "perf/tflops_per_sec"):
         assert tag in scalars, tag
+    assert any(tag.startswith("val/samples") for tag in read_tags(run_dir)["tensors"])  # greedy continuations
     ppl = scalars["val/ppl"][-1][1]
     assert ppl < unigram / 4, (ppl, unigram)
     assert ppl == pytest.approx(math.exp(scalars["val/loss"][-1][1]), rel=1e-4)

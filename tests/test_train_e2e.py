@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import read_scalars, run_entry
+from tests.conftest import read_scalars, read_tags, run_entry
 
 TINY = ["trainer.log_every=10", "trainer.num_workers=1", "trainer.global_batch_size=8"]
 
@@ -21,6 +21,7 @@ def test_trains_logs_and_resumes_exactly(tmp_path, era5_root):
     for tag in ("train/loss", "train/lr", "train/grad_norm", "val/loss", "val/rmse/u10m", "val/rmse/tcwv",
                 "perf/samples_per_sec", "perf/step_time_ms", "perf/data_wait_ms", "mem/peak_gib"):
         assert tag in scalars, tag
+    assert "val/u10m_pred_vs_target" in read_tags(full)["images"]
     losses = [v for _, v in scalars["train/loss"]]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
