@@ -73,3 +73,12 @@ def _scaler_rank(rank, world_size):
 
 def test_fp16_inf_verdict_agrees_across_ranks(tmp_path):
     run_ranks(_scaler_rank, 2, tmp_path)
+
+
+@pytest.mark.parametrize("workload", ["vit", "gpt"])
+def test_compiled_training_follows_eager(workload, workloads, tmp_path):
+    """precision.compile=true (each block compiled, inductor on CPU) trains like eager."""
+    small = [*workloads[workload], "model.depth=2"]
+    eager = train_losses(make_trainer(tmp_path / "eager", *small), 3)
+    compiled = make_trainer(tmp_path / "compiled", *small, "precision.compile=true")
+    assert train_losses(compiled, 3) == pytest.approx(eager, rel=1e-4)
