@@ -79,6 +79,14 @@ class TensorParallelLayer(nn.Module):
         """Replicated parameters whose gradients are partial sums over `partial_grad_axes`."""
         return []
 
+    @torch.no_grad()
+    def copy_shards_from(self, serial: nn.Module) -> None:
+        """Fill each parameter from the same-named FULL parameter of `serial`: this rank's chunk along
+        its `shard_dims` entry, or the whole tensor when it is replicated."""
+        for name, param in self.named_parameters(recurse=False):
+            full = getattr(serial, name)
+            param.copy_(shard(full, self.axis, self.shard_dims[name]) if name in self.shard_dims else full)
+
 
 def _init_uniform(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
     """nn.Linear's default init with the FULL fan-in (for standalone use; from_serial overwrites it)."""
@@ -120,10 +128,7 @@ class ColumnParallelLinear(TensorParallelLayer):
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, axis, bias=linear.bias is not None,
                     device=w.device, dtype=w.dtype, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(shard(w, axis, 0))
-            if linear.bias is not None:
-                layer.bias.copy_(shard(linear.bias, axis, 0))
+        layer.copy_shards_from(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,10 +176,7 @@ class RowParallelLinear(TensorParallelLayer):
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, axis, bias=linear.bias is not None,
                     device=w.device, dtype=w.dtype, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(shard(w, axis, 1))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
+        layer.copy_shards_from(linear)
         return layer
 
     def partial_grad_params(self) -> list[nn.Parameter]:
@@ -225,8 +227,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
         w = embedding.weight
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, axis, padding_idx=embedding.padding_idx,
                     device=w.device, dtype=w.dtype, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(shard(w, axis, 0))
+        layer.copy_shards_from(embedding)
         return layer
 
     def _local_padding_idx(self) -> int | None:
