@@ -4,8 +4,9 @@ Wrapping block by block (as torchtitan does) keeps compile units small and ident
 compiles one block graph and reuses it, and checkpointing recomputes one block at a time in backward.
 With both on, dynamo traces the (non-reentrant) checkpoint as part of the block: still one graph.
 The tensor-parallel mappings trace without graph breaks (tests/test_compile.py); a new grad mode,
-autocast state or input shape compiles another graph. Collectives inside compiled blocks are not
-counted in the grid's byte counters (`distributed.mappings` records in eager mode only).
+autocast state or input shape compiles another graph. Collectives inside compiled blocks are counted
+like eager ones (`dlscale::add_bytes` in utils/comm.py), except the ones the compiled backward re-runs
+for activation checkpointing.
 """
 
 from __future__ import annotations

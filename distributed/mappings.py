@@ -21,8 +21,12 @@ Collectives go through `torch.distributed._functional_collectives`, which torch.
 without graph breaks. Every mapping records on its axis the bytes this rank sends with the ring
 algorithm, n = axis.size: all-reduce 2(n-1)/n x bytes(tensor), all-gather (n-1)/n x bytes(gathered
 output), reduce-scatter (n-1)/n x bytes(full input); for uneven splits that is the padded buffer
-actually sent. Recording is a Python side effect, so it is skipped while torch.compile traces
-(`torch.compiler.is_compiling()`): compiled regions are not counted.
+actually sent. Recording goes through `AxisGroup.record`, a custom op with an ordered effect that
+torch.compile keeps in its graphs, so compiled regions count the same bytes as eager ones, in the
+forward and in the compiled backward. Byte counts stay integer arithmetic (SymInts under dynamic
+shapes: no specialization). Activation checkpointing: eager recomputation re-runs the forward
+collectives and counts them again; in a compiled checkpointed block the partitioner chooses which
+collectives to recompute and does not count those again (the counting op is never recomputed).
 """
 
 from __future__ import annotations
@@ -47,12 +51,6 @@ def split_sizes(length: int, parts: int) -> list[int]:
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
-
-
-def _record(axis: AxisGroup, num_bytes: float) -> None:
-    """Count bytes moved on `axis` (eager only: a traced graph would count once, at compile time)."""
-    if not torch.compiler.is_compiling():
-        axis.record(int(num_bytes))
 
 
 def _wait(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +87,7 @@ def _own_chunk(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> 
 def _all_reduce(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
     """All-reduce over `axis`; records 2(n-1)/n x bytes(x)."""
     n = axis.size
-    _record(axis, 2 * (n - 1) * _nbytes(x) / n)
+    axis.record(2 * (n - 1) * _nbytes(x) // n)
     return _wait(funcol.all_reduce(x.contiguous(), op, axis.group))
 
 
@@ -104,7 +102,7 @@ def _all_gather(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) ->
     """Concatenate every rank's chunk along `dim`; records (n-1)/n x bytes(gathered buffer)."""
     n, longest = axis.size, max(sizes)
     padded = _pad_to(x, dim, longest).contiguous()
-    _record(axis, (n - 1) * _nbytes(padded))
+    axis.record((n - 1) * _nbytes(padded))
     gathered = _wait(_all_gather_single(padded, dim, axis.group))  # (..., n * longest, ...)
     if all(s == longest for s in sizes):
         return gathered
@@ -119,7 +117,7 @@ def _reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
     if any(s != longest for s in sizes):
         x = torch.cat([_pad_to(c, dim, longest) for c in x.tensor_split(n, dim=dim)], dim=dim)
     x = x.contiguous()
-    _record(axis, (n - 1) * _nbytes(x) / n)
+    axis.record((n - 1) * _nbytes(x) // n)
     out = _wait(_reduce_scatter_single(x, "sum", dim, axis.group))  # (..., longest, ...)
     return out.narrow(dim, 0, sizes[axis.rank])
 

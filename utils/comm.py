@@ -96,19 +96,64 @@ def rank_layout(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> dict[Axis, l
     return layout
 
 
+@torch.library.custom_op("dlscale::add_bytes", mutates_args=())
+def _add_bytes(counter: torch.Tensor, num_bytes: int) -> None:
+    """counter += num_bytes (the byte counter of an AxisGroup; see there why no mutation is declared)."""
+    counter.data.add_(num_bytes)  # .data: leaves the version counter alone (see AxisGroup)
+
+
+@_add_bytes.register_fake
+def _(counter: torch.Tensor, num_bytes: int) -> None:
+    return None
+
+
+# An ORDERED effect threads the op through effect tokens: never dead-code-eliminated nor reordered, and
+# the copy traced in an autograd.Function's backward runs in the compiled backward graph. The hook is
+# private torch API (present in 2.13); without it eager counting is unchanged and compiled graphs may
+# drop the op, undercounting comm/<axis>_bytes under precision.compile=true.
+try:
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+    _register_effectful_op(torch.ops.dlscale.add_bytes.default, _EffectType.ORDERED)
+except ImportError:  # pragma: no cover - older or newer torch without the hook
+    pass
+
+
 @dataclass
 class AxisGroup:
-    """One rank's view of an axis (or a product of axes): size, rank, process group, byte counter."""
+    """One rank's view of an axis (or a product of axes): size, rank, process group, byte counter.
+
+    The counter is an int64 scalar tensor on the CPU, raised by the `dlscale::add_bytes` custom op in
+    eager code and inside torch.compile graphs alike (forward and compiled backward), so compiled
+    blocks are counted as eager ones are. The op declares no mutation on purpose: AOTAutograd would
+    functionalize a declared one and compute a backward's increment from the counter value saved at
+    forward time, then copy it back, losing what other blocks added in between. Compiled graphs save
+    the counter for backward (with a version check under activation checkpointing), so every write
+    goes through `.data` and leaves its version unchanged. Kept on the CPU (not the device) so
+    counting never syncs the device nor launches a kernel, and inductor's CUDA graphs, which would
+    replay on a copy of the input, skip graphs that take a CPU tensor.
+    """
 
     name: str
     size: int
     rank: int
     group: dist.ProcessGroup | None = None
     ranks: list[int] = field(default_factory=list)  # global ranks in this rank's group
-    bytes_moved: int = 0  # bytes this rank sent over the group (ring algorithm volume)
+    _counter: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
+                                   init=False, repr=False, compare=False)
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes this rank sent over the group since the last reset (ring algorithm volume)."""
+        return int(self._counter)
+
+    @bytes_moved.setter
+    def bytes_moved(self, value: int) -> None:
+        self._counter.data.fill_(value)  # in place (compiled graphs hold this tensor), version unchanged
 
     def record(self, num_bytes: int) -> None:
-        self.bytes_moved += int(num_bytes)
+        """Add `num_bytes` (an int, or a SymInt under dynamic shapes) to the counter; traceable."""
+        _add_bytes(self._counter, num_bytes)
 
 
 class Grid:
