@@ -35,3 +35,32 @@ def test_a_rank_whose_partner_failed_its_checks_does_not_hang(tmp_path, era5_roo
                           text=True, timeout=120)
     assert good.returncode == 2 and "(parallel.init_timeout_s)" in good.stderr, good.stderr[-2000:]
     assert len(good.stderr.strip().splitlines()) == 1 and time.time() - start < 60
+
+
+def test_launch_environments():
+    import pytest
+
+    from utils.comm import launch_env
+    from utils.errors import ConfigError
+
+    assert launch_env({}).world_size == 1
+    torchrun = launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
+    assert (torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.source) == (3, 8, 1, "torchrun")
+    slurm = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "MASTER_ADDR": "node0",
+                        "MASTER_PORT": "29500"})
+    assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.source) == (5, 8, 1, "slurm")
+    assert launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).source == "single"  # an salloc shell
+    with pytest.raises(ConfigError) as info:
+        launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
+    assert info.value.setting == "MASTER_ADDR"
+
+
+def test_layout_command_prints_groups_without_launching():
+    proc = subprocess.run([sys.executable, "-m", "utils.comm", "tp=4", "dp=2", "order=tp-dp"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "tp groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in proc.stdout
+    assert "dp groups: [[0, 4], [1, 5], [2, 6], [3, 7]]" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "utils.comm", "tp=3", "world=8"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: world size 8 does not fit tp=3")

@@ -72,6 +72,15 @@ def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
     assert_same_curve(reference, curves(run_dir))
 
 
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_mixed_precision_under_tensor_parallelism(mode, era5_root, tmp_path):
+    """Autocast and the rank-agreed fp16 scaler under tp=2 x dp=2: trains, finite and falling."""
+    run_dir = run_layout(tmp_path, mode, VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2",
+                         f"precision={mode}")
+    loss = curves(run_dir)[0]
+    assert all(v == v for v in loss) and loss[-1] < loss[0]
+
+
 def test_torchrun_launch(vit_reference, era5_root):
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun is not on PATH")

@@ -35,6 +35,8 @@ class Axis(str, enum.Enum):
 
 
 AXES = tuple(Axis)
+# Every group any layer may use, created eagerly by init_grid (later creation on some ranks only would hang).
+GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), (Axis.DP,), (Axis.PP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP))
 
 
 @dataclass
@@ -183,7 +185,11 @@ class Grid:
         return self.axis(*axes).group
 
     def axis(self, *axes: Axis | str) -> AxisGroup:
-        """The AxisGroup of one axis or of the product of several (e.g. grid.axis('dp', 'cp'))."""
+        """The AxisGroup of one axis or of the product of several (e.g. grid.axis('dp', 'cp')).
+
+        Groups are created on first use; init_grid uses every combination the code needs up front,
+        because creating a process group is a collective call.
+        """
         keys = tuple(sorted({Axis(a) for a in axes}, key=self.order.index))
         keys = tuple(a for a in keys if self.sizes[a] > 1) or keys[:1]  # size-1 axes change no group
         name = "_".join(a.value for a in keys)
@@ -288,7 +294,10 @@ def init_grid(cfg: ParallelConfig) -> Grid:
                               "parallel.init_timeout_s",
                               "check the other ranks' output: a rank that fails its checks exits before joining") from None
     mesh = build_mesh(sizes, order, device)
-    return Grid(sizes, order, env.rank, device, mesh)
+    grid = Grid(sizes, order, env.rank, device, mesh)
+    for axes in GROUPS_BUILT_AT_START:
+        grid.axis(*axes)  # creating a group is collective: every rank, same order, at start
+    return grid
 
 
 def build_mesh(sizes: dict[Axis, int], order: tuple[Axis, ...], device: torch.device):
