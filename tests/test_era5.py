@@ -81,11 +81,11 @@ def test_truncated_and_missing_files_are_rejected(tmp_path):
 
 
 def test_latitude_weights_mean_one_and_largest_at_equator():
-    w = latitude_weights(360, 360)
-    assert w.shape == (360, 1)
+    w = latitude_weights(361)
+    assert w.shape == (361, 1)
     torch.testing.assert_close(w.mean(), torch.tensor(1.0))
-    assert w[179] > w[10] > w[0] > 0
-    assert latitude_weights(721, 720)[0] == pytest.approx(0.0, abs=1e-6)  # the pole row of a 721-row grid
+    assert w[180] == w.max() and w[180] > w[10] > w[0]
+    assert w[0].item() == pytest.approx(0.0, abs=1e-6) and w[-1].item() == pytest.approx(0.0, abs=1e-6)  # poles
 
 
 def test_synthetic_is_deterministic_and_in_layout(tmp_path):

@@ -36,6 +36,12 @@ def test_relative_l2_loss():
     assert RelativeL2Loss()(target, target).item() == 0.0
     assert RelativeL2Loss()(torch.zeros_like(target), target).item() == pytest.approx(1.0)
     assert RelativeL2Loss()(1.5 * target, target).item() == pytest.approx(0.5)
+    # norms over the whole sample (the seed's l2_loss_opt), not per channel: an error of 1 on one of two
+    # channels of scales 1 and 3 gives sqrt(16) / sqrt(16 + 144) = 0.316 (per channel it would be 0.5)
+    target = torch.cat([torch.ones(1, 1, 4, 4), 3 * torch.ones(1, 1, 4, 4)], dim=1)
+    pred = target.clone()
+    pred[:, 0] += 1
+    assert RelativeL2Loss()(pred, target).item() == pytest.approx(4 / 160 ** 0.5)
 
 
 def test_weighted_rmse_per_channel():

@@ -15,7 +15,8 @@ def train(tmp_path, era5_root, name, *args):
 
 
 def test_trains_logs_and_resumes_exactly(tmp_path, era5_root):
-    common = ["trainer.max_steps=40", "trainer.val_every=20", "trainer.ckpt_every=0"]
+    # dropout on: the resumed run must restore the RNG stream exactly; stop at a validation step
+    common = ["trainer.max_steps=40", "trainer.val_every=20", "trainer.ckpt_every=0", "model.dropout=0.1"]
     full, proc = train(tmp_path, era5_root, "full", *common)
     scalars = read_scalars(full)
     for tag in ("train/loss", "train/lr", "train/grad_norm", "val/loss", "val/rmse/u10m", "val/rmse/tcwv",
@@ -27,13 +28,16 @@ def test_trains_logs_and_resumes_exactly(tmp_path, era5_root):
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
     assert (full / "config.yaml").is_file() and (full / "train.log").is_file()
     assert (full / "checkpoints" / "latest").read_text() == "step_0000040"
+    lrs = scalars["train/lr"]
+    assert lrs[0] == (1, pytest.approx(5e-4)) and lrs[-1][1] > 0  # the lr each step used, steps counted from 1
 
-    part, _ = train(tmp_path, era5_root, "part", *common, "trainer.stop_at_step=17")
-    assert (part / "checkpoints" / "latest").read_text() == "step_0000017"
+    part, _ = train(tmp_path, era5_root, "part", *common, "trainer.stop_at_step=20")
+    assert (part / "checkpoints" / "latest").read_text() == "step_0000020"
     _, proc = train(tmp_path, era5_root, "part", *common)
     assert "resumed from" in proc.stdout
-    resumed = [v for _, v in read_scalars(part)["train/loss"]]
-    assert resumed == losses  # bitwise: same floats at every step
+    resumed = read_scalars(part)
+    assert [v for _, v in resumed["train/loss"]] == losses  # bitwise: same floats at every step
+    assert [s for s, _ in resumed["val/loss"]] == [20, 40]  # the validation at the resume step is kept
 
 
 def test_finished_run_does_nothing_and_never_starts_over(tmp_path, era5_root):

@@ -55,6 +55,9 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
         from distributed.block_wrappers import wrap_blocks
 
         wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
+    # The stream dropout draws from: fixed by the seed after setup (which draws differently per layout),
+    # distinct per data-parallel replica. Tensor-parallel ranks share it (no Megatron RNG tracker yet).
+    torch.manual_seed(cfg.trainer.seed * 1_000_003 + 1 + grid.rank(Axis.DP))
     if grid.world_size > 1:
         from distributed.data_parallel import wrap_data_parallel
 

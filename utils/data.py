@@ -35,11 +35,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return torch.randperm(self.num_samples, generator=g)
 
-    def global_batch(self, step: int) -> list[int]:
-        epoch, index = divmod(step, self.steps_per_epoch)
-        start = index * self.global_batch_size
-        return self.epoch_order(epoch)[start:start + self.global_batch_size].tolist()
-
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while True:
@@ -83,9 +78,11 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
     workers = {"num_workers": num_workers, "pin_memory": pin_memory, "persistent_workers": num_workers > 0}
     if num_workers > 0:
         workers["prefetch_factor"] = 4
-    train = DataLoader(train_set, batch_sampler=sampler, **workers)
+    # Own generators: worker seeds never draw from the global RNG, which dropout uses (exact resume)
+    train = DataLoader(train_set, batch_sampler=sampler, generator=torch.Generator().manual_seed(seed), **workers)
     val_part = torch.utils.data.Subset(val_set, shard_range(len(val_set), dp_rank, dp_size))
     val_workers = min(num_workers, 2)
     val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
-                     num_workers=val_workers, pin_memory=pin_memory, persistent_workers=val_workers > 0)
+                     num_workers=val_workers, pin_memory=pin_memory, persistent_workers=val_workers > 0,
+                     generator=torch.Generator().manual_seed(seed))
     return Loaders(train, val, sampler.steps_per_epoch)

@@ -151,16 +151,9 @@ class ERA5Dataset(Dataset):
         return state
 
 
-def latitude_weights(file_height: int, crop_height: int) -> torch.Tensor:
-    """cos(latitude) weights normalized to mean 1 over the crop rows, shape (crop_height, 1).
-
-    Rows run from the north pole south; an odd row count includes both poles (721 rows at 0.25 deg),
-    an even one sits at cell centres (360 rows at 0.5 deg).
-    """
-    j = torch.arange(crop_height, dtype=torch.float64)
-    if file_height % 2:
-        lat = 90.0 - 180.0 * j / (file_height - 1)
-    else:
-        lat = 90.0 - 180.0 * (j + 0.5) / file_height
-    w = torch.cos(torch.deg2rad(lat))
+def latitude_weights(num_lat: int) -> torch.Tensor:
+    """cos(latitude) weights normalized to mean 1, shape (num_lat, 1), as the seed's weighted RMSE:
+    row j of the crop sits at latitude 90 - j * 180 / (num_lat - 1), north pole first."""
+    j = torch.arange(num_lat, dtype=torch.float64)
+    w = torch.cos(torch.deg2rad(90.0 - j * 180.0 / max(1, num_lat - 1)))
     return (w / w.mean()).float().unsqueeze(-1)

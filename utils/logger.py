@@ -43,21 +43,21 @@ class Progress:
         self.start_step: int | None = None
 
     def update(self, step: int, loss: float, samples_per_sec: float, lr: float) -> None:
+        """`step`: optimizer steps completed, counting this one."""
         if not self.enabled:
             return
         if self.start_step is None:
-            self.start_step, self.start = step, time.perf_counter()
-        done = step + 1 - self.start_step
-        per_step = (time.perf_counter() - self.start) / max(1, done)
-        eta = per_step * (self.max_steps - step - 1)
-        text = (f"step {step + 1}/{self.max_steps} loss {loss:.5f} lr {lr:.3g} "
+            self.start_step, self.start = step - 1, time.perf_counter()
+        per_step = (time.perf_counter() - self.start) / max(1, step - self.start_step)
+        eta = per_step * (self.max_steps - step)
+        text = (f"step {step}/{self.max_steps} loss {loss:.5f} lr {lr:.3g} "
                 f"{samples_per_sec:.1f} samples/s ETA {eta:.0f}s")
         if self.live:
             sys.stdout.write("\r" + text + " " * 8)
             sys.stdout.flush()
-            if step + 1 == self.max_steps:
+            if step == self.max_steps:
                 sys.stdout.write("\n")
-        if step % self.log_every == 0 or step + 1 == self.max_steps:
+        if (step - 1) % self.log_every == 0 or step == self.max_steps:
             (logging.getLogger("dlscale.file") if self.live else self.log).info(text)
 
     def message(self, text: str) -> None:
@@ -71,12 +71,20 @@ class TensorBoard:
     """One TensorBoard event stream per run (rank 0 only)."""
 
     def __init__(self, run_dir: Path, is_main: bool, start_step: int = 0):
-        self.writer = None
-        if is_main:
+        self.run_dir, self.is_main, self.start_step = run_dir, is_main, start_step
+        self._writer = None
+
+    @property
+    def writer(self):
+        """The SummaryWriter, created at the first event (a run with nothing to log writes no file)."""
+        if self._writer is None and self.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step hides events a crashed run wrote after the checkpoint we resume from
-            self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=start_step or None)
+            # purge_step hides events a crashed run wrote after the checkpoint we resume from (steps are
+            # counted as completed steps, so the validation at the checkpoint's step stays)
+            self._writer = SummaryWriter(log_dir=str(self.run_dir),
+                                         purge_step=self.start_step + 1 if self.start_step else None)
+        return self._writer
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self.writer:
@@ -93,9 +101,9 @@ class TensorBoard:
             self.writer.add_text(tag, text, step)
 
     def flush(self) -> None:
-        if self.writer:
-            self.writer.flush()
+        if self._writer:
+            self._writer.flush()
 
     def close(self) -> None:
-        if self.writer:
-            self.writer.close()
+        if self._writer:
+            self._writer.close()

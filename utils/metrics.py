@@ -7,12 +7,13 @@ from torch import nn
 
 
 class RelativeL2Loss(nn.Module):
-    """Mean over samples and channels of ||pred - target||_2 / ||target||_2 over the (H, W) grid."""
+    """The seed's `l2_loss_opt`: mean over samples of ||pred - target||_2 / ||target||_2, each norm over
+    the whole sample (C x H x W)."""
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        pred, target = pred.float(), target.float()
-        num = (pred - target).pow(2).sum(dim=(-2, -1))  # (B, C)
-        den = target.pow(2).sum(dim=(-2, -1)).clamp_min(1e-12)
+        pred, target = pred.float().flatten(1), target.float().flatten(1)  # (B, C*H*W)
+        num = (pred - target).pow(2).sum(dim=1)
+        den = target.pow(2).sum(dim=1).clamp_min(1e-12)
         return (num / den).sqrt().mean()
 
 

@@ -68,7 +68,7 @@ class WeatherTask:
             require(root.is_dir(), f"data folder {root} does not exist", "data.root", "point it at the ERA5 folder")
         self.train_set = ERA5Dataset(root, "train", data, data.limit_nsamples)
         self.val_set = ERA5Dataset(root, "valid", data, data.limit_nsamples_val)
-        self.lat_weights = latitude_weights(self.train_set.file_shape[0], data.img_size[0])
+        self.lat_weights = latitude_weights(data.img_size[0])
 
     def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Random inputs and targets of the training shapes (benchmarks)."""

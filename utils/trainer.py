@@ -87,7 +87,7 @@ class Trainer:
         set_rng_state(state["rng"])
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the local batch, split into grad_accum_steps micro-batches."""
+        """Returns (global-batch mean loss, global gradient norm); the lr used is `self.current_lr()`."""
         micro = self.tc.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
@@ -112,6 +112,10 @@ class Trainer:
     def clip_grad_norm(self) -> torch.Tensor:
         return clip_grad_norm(self.raw_model, grid=self.grid, max_norm=self.cfg.optim.grad_clip)
 
+    def current_lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return self.optimizer.param_groups[0]["lr"]
+
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         if self.dp.size > 1:
             value = value.clone()
@@ -134,19 +138,20 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             t1 = time.perf_counter()
             self.grid.reset_comm_bytes()
+            lr = self.current_lr()
             loss, grad_norm = self.train_step(x, y)
             loss_value = loss.item()
             require(math.isfinite(loss_value) or self.scaler.is_enabled(), f"loss is {loss_value} at step {self.step}",
                     "optim.lr", "lower the learning rate or use precision=bf16/fp32")
-            self.log_step(loss_value, grad_norm.item(), t0, t1, time.perf_counter())
             self.step += 1
+            self.log_step(loss_value, grad_norm.item(), lr, t0, t1, time.perf_counter())
             self.maybe_validate_and_save(stop)
         self.tb.close()
 
-    def log_step(self, loss: float, grad_norm: float, t0: float, t1: float, t2: float) -> None:
+    def log_step(self, loss: float, grad_norm: float, lr: float, t0: float, t1: float, t2: float) -> None:
+        """Scalars of the step just taken, at x = steps completed (validation and checkpoints use it too)."""
         step_time = t2 - t0
         batch = self.tc.global_batch_size
-        lr = self.scheduler.get_last_lr()[0]
         values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                   "perf/step_time_ms": 1e3 * step_time, "perf/data_wait_ms": 1e3 * (t1 - t0),
                   "perf/samples_per_sec": batch / step_time,
