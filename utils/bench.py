@@ -44,7 +44,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def run(argv: list[str]) -> str:
-    from utils.build import build_model, layout_name
+    from utils.build import build_model
+    from utils.runs import layout_name
     from utils.comm import Axis, init_grid
     from utils.config import load_config
     from utils.flops import device_name, mfu
@@ -81,7 +82,7 @@ def run(argv: list[str]) -> str:
     tflops = trainer.flops_per_sample * batch / seconds / grid.world_size / 1e12
     utilization = mfu(tflops, grid.device, cfg.precision.mode)
     return (f"| {datetime.date.today()} | {device_name(grid.device)} | {choices['model']} | {cfg.precision.mode} "
-            f"| {cfg.precision.compile} | {layout_name(grid)} | {batch} | {batch / seconds:.1f} "
+            f"| {cfg.precision.compile} | {layout_name(grid.sizes, grid.order)} | {batch} | {batch / seconds:.1f} "
             f"| {batch * task.tokens_per_sample() / seconds:.0f} | {tflops:.1f} "
             f"| {'n/a' if utilization is None else f'{100 * utilization:.1f}%'} | {peak_memory_gib(grid.device):.2f} |")
 

@@ -9,29 +9,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from utils.comm import Axis, Grid, check_grid, init_grid
+from utils.comm import Axis, Grid, check_grid, init_grid, parse_order
 from utils.config import Config
 from utils.data import build_loaders, check_batch
+from utils.errors import require
 from utils.logger import setup_logging
 from utils.optim import build_optimizer, build_scheduler
 from utils.precision import configure_matmul, grad_scaler
+from utils.runs import check_resumable, layout_name, run_dir_for
 from utils.tasks import build_task
 from utils.trainer import Trainer
-
-
-def layout_name(grid: Grid) -> str:
-    """'single' or e.g. 'tp2-dp2' (axes of size > 1, in grid order)."""
-    parts = [f"{a.value}{grid.size(a)}" for a in grid.order if grid.size(a) > 1]
-    return "-".join(parts) or "single"
-
-
-def build_run_dir(cfg: Config, choices: dict[str, str], grid: Grid) -> Path:
-    """run.dir, or a readable default under run.root that every rank derives identically."""
-    if cfg.run.dir:
-        return Path(cfg.run.dir)
-    name = "-".join([choices["model"], choices["data"], layout_name(grid), cfg.precision.mode]
-                    + ([cfg.run.tag] if cfg.run.tag else []))
-    return Path(cfg.run.root) / name
 
 
 @dataclass
@@ -76,13 +63,27 @@ def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> st
             f"{params / 2**20:.1f} MiB gradients, {state / 2**20:.1f} MiB optimizer state")
 
 
+def check_supported(cfg: Config, sizes: dict[Axis, int]) -> None:
+    """Layouts this version cannot train yet, and model shapes the layout cannot split (before any work)."""
+    for axis, name in ((Axis.CP, "context"), (Axis.PP, "pipeline")):
+        require(sizes[axis] == 1, f"{name} parallelism is not implemented yet", f"parallel.{axis.value}",
+                f"set parallel.{axis.value}=1 (tensor and data parallelism are available)")
+    tp = sizes[Axis.TP]
+    require(cfg.model.num_heads % tp == 0, f"num_heads {cfg.model.num_heads} is not divisible by tp={tp}",
+            "parallel.tp", "choose a tp that divides model.num_heads")
+
+
 def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer:
     """Everything train.py does before fitting: validate against the data and the launch, then build."""
     sizes = check_grid(cfg.parallel)
+    check_supported(cfg, sizes)
     task = build_task(cfg)  # inspects the data: every data error is raised before distributed work
     check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps, len(task.train_set))
+    layout = layout_name(sizes, parse_order(cfg.parallel.order))
+    run_dir = run_dir_for(cfg, choices, config_yaml, layout)
+    if cfg.trainer.resume != "never":
+        check_resumable(Path(cfg.trainer.resume).parents[1] if cfg.trainer.resume != "auto" else run_dir, config_yaml)
     grid = init_grid(cfg.parallel)
-    run_dir = build_run_dir(cfg, choices, grid)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = setup_logging(run_dir, grid.is_main)
     return build_trainer(cfg, choices, config_yaml, task, grid, log, run_dir)
@@ -100,10 +101,11 @@ def build_trainer(cfg: Config, choices: dict[str, str], config_yaml: str, task, 
     optimizer = build_optimizer(cfg.optim, raw.parameters(), grid.device)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
     scaler = grad_scaler(cfg.precision.mode, grid.device)
-    resume = resolve_resume(cfg.trainer.resume, Checkpointer(run_dir, grid.global_rank))
-    trainer_args = dict(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer,
-                        scheduler=scheduler, scaler=scaler, run_dir=run_dir, log=log)
-    state = Checkpointer(run_dir, grid.global_rank).load(resume) if resume else None
+    checkpointer = Checkpointer(run_dir, grid.global_rank, cfg.trainer.ckpt_keep, grid.describe().splitlines()[0])
+    resume = resolve_resume(cfg.trainer.resume, checkpointer)
+    trainer_args = dict(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer, scheduler=scheduler,
+                        scaler=scaler, checkpointer=checkpointer, run_dir=run_dir, log=log)
+    state = checkpointer.load(resume) if resume else None
     start = int(state["step"]) if state else 0
     loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
                             dp_rank=dp.rank, dp_size=dp.size, seed=cfg.trainer.seed, start_step=start,

@@ -43,8 +43,10 @@ def _barrier() -> None:
 class Checkpointer:
     """Saves and finds checkpoints of one run directory for this rank."""
 
-    def __init__(self, run_dir: Path, rank: int, keep: int = 2):
-        self.dir, self.rank, self.keep = Path(run_dir) / "checkpoints", rank, keep
+    def __init__(self, run_dir: Path, rank: int, keep: int = 2, layout: str | None = None):
+        """`layout`: the grid's description; recorded with each checkpoint and required to match on load
+        (rank files hold shards: another layout or rank order would load the wrong ones)."""
+        self.dir, self.rank, self.keep, self.layout = Path(run_dir) / "checkpoints", rank, keep, layout
 
     def step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:07d}"
@@ -61,6 +63,8 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            if self.layout:
+                (tmp / "layout.txt").write_text(self.layout)
         _barrier()
         torch.save(state, tmp / f"rank_{self.rank:05d}.pt")
         _barrier()
@@ -80,6 +84,11 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path) -> dict:
+        recorded = Path(path) / "layout.txt"
+        if self.layout and recorded.is_file() and recorded.read_text() != self.layout:
+            raise ConfigError(f"checkpoint {path} was written by the layout '{recorded.read_text()}', not "
+                              f"'{self.layout}'", "trainer.resume",
+                              "resume with the layout that wrote it, or set trainer.resume=never")
         file = Path(path) / f"rank_{self.rank:05d}.pt"
         if not file.is_file():
             raise ConfigError(f"checkpoint {path} has no file for rank {self.rank}", "trainer.resume",

@@ -60,7 +60,7 @@ class Trainer:
     """Runs `max_steps` optimizer steps of a built model on a built task; see utils/build.py."""
 
     def __init__(self, *, cfg, grid: Grid, task, built, optimizer, scheduler, scaler, loaders,
-                 run_dir, log, start_step: int = 0):
+                 run_dir, log, checkpointer: Checkpointer | None = None, start_step: int = 0):
         self.cfg, self.tc, self.grid, self.task = cfg, cfg.trainer, grid, task
         self.model, self.raw_model = built.model, built.raw
         self.optimizer, self.scheduler, self.scaler, self.loaders = optimizer, scheduler, scaler, loaders
@@ -68,7 +68,7 @@ class Trainer:
         self.device = grid.device
         self.autocast = partial(autocast, cfg.precision.mode, self.device)
         self.dp = grid.axis(Axis.DP)
-        self.checkpointer = Checkpointer(run_dir, grid.global_rank, self.tc.ckpt_keep)
+        self.checkpointer = checkpointer or Checkpointer(run_dir, grid.global_rank, self.tc.ckpt_keep)
         self.tb = TensorBoard(run_dir, grid.is_main, start_step)
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
         self.flops_per_sample = built.flops_per_sample

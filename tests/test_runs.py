@@ -1,0 +1,53 @@
+"""Run directories never mix runs; resuming refuses other settings or another layout; unsupported layouts."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_entry
+from utils.checkpoint import Checkpointer
+from utils.config import load_config
+from utils.errors import ConfigError
+from utils.runs import check_resumable, differences, run_dir_for
+
+
+def default_dir(*overrides):
+    cfg, choices, yaml = load_config(list(overrides))
+    return run_dir_for(cfg, choices, yaml, "single").name
+
+
+def test_default_names_are_readable_and_distinct():
+    assert default_dir() == "vit_tiny-era5_synthetic-single-fp32"
+    assert default_dir("experiment=bs16_opt") == "vit_base-era5-single-fp16-bs16_opt"
+    assert default_dir("experiment=bs32_opt") != default_dir("experiment=bs16_opt")
+    changed = default_dir("model.embed_dim=64")
+    assert changed.startswith("vit_tiny-era5_synthetic-single-fp32-") and changed != default_dir()
+    assert default_dir("trainer.log_every=3", "trainer.num_workers=0") == default_dir()  # no change in training
+    assert default_dir("run.tag=x").endswith("-x")
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    _, _, yaml = load_config([])
+    _, _, other = load_config(["optim.lr=1e-2", "trainer.log_every=3"])
+    assert differences(yaml, other) == ["optim.lr: 0.0005 -> 0.01"]
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000010")
+    (tmp_path / "config.yaml").write_text(yaml)
+    check_resumable(tmp_path, yaml)
+    with pytest.raises(ConfigError, match="optim.lr"):
+        check_resumable(tmp_path, other)
+
+
+def test_checkpoint_of_another_layout_is_refused(tmp_path):
+    Checkpointer(tmp_path, 0, layout="world=2 tp=2 cp=1 dp=1 pp=1 order=tp-cp-dp-pp").save(3, {"step": 3})
+    other = Checkpointer(tmp_path, 0, layout="world=2 tp=1 cp=1 dp=2 pp=1 order=tp-cp-dp-pp")
+    with pytest.raises(ConfigError, match="layout"):
+        other.load(other.latest())
+
+
+@pytest.mark.parametrize("args,setting", [(["parallel.cp=2"], "parallel.cp"), (["parallel.pp=2"], "parallel.pp"),
+                                          (["parallel.tp=3"], "parallel.tp")])
+def test_unsupported_layouts_stop_before_any_work(args, setting, tmp_path):
+    proc = run_entry("train_mp.py", f"run.root={tmp_path}", *args, timeout=120)
+    assert proc.returncode == 2 and f"({setting})" in proc.stderr, proc.stderr
+    assert not any(Path(tmp_path).iterdir())  # no run directory was made

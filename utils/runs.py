@@ -1,0 +1,79 @@
+"""Run directories: readable names that differ whenever the runs differ, and safe resumption.
+
+A default run.dir is <root>/<model>-<data>-<layout>-<precision>[-<experiment>][-<digest>][-<tag>], where
+the digest (6 hex digits) appears when settings beyond the presets were overridden: two runs that train
+different things never share a directory (and so never resume each other's checkpoints). Before a run
+continues from a checkpoint, its config is compared with the one the run directory was started with;
+only settings that do not change the training (logging cadence, workers, paths, ...) may differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from utils.comm import Axis
+from utils.errors import ConfigError
+
+# Settings a run may change between invocations without changing what it trains.
+RESUME_SAFE = ("run.", "trainer.stop_at_step", "trainer.resume", "trainer.log_every", "trainer.val_every",
+               "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.num_workers", "parallel.init_timeout_s",
+               "data.root", "data.cache_dir")
+
+
+def layout_name(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> str:
+    """'single' or e.g. 'tp2-dp2' (axes of size > 1, in grid order)."""
+    return "-".join(f"{a.value}{sizes[a]}" for a in order if sizes[a] > 1) or "single"
+
+
+def _flat(config_yaml: str) -> dict[str, object]:
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from walk(value, f"{prefix}{key}.")
+        else:
+            yield prefix[:-1], node
+
+    return dict(walk(OmegaConf.to_container(OmegaConf.create(config_yaml)), ""))
+
+
+def differences(old_yaml: str, new_yaml: str) -> list[str]:
+    """'key: old -> new' for every setting that changes what is trained."""
+    old, new = _flat(old_yaml), _flat(new_yaml)
+    keys = sorted(k for k in old.keys() | new.keys() if not k.startswith(RESUME_SAFE) and old.get(k) != new.get(k))
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys]
+
+
+def override_digest(config_yaml: str, choices: dict[str, str]) -> str:
+    """6 hex digits naming the settings that differ from the chosen presets ('' when none do)."""
+    from utils.config import compose_config
+
+    presets = compose_config([f"{g}={c}" for g, c in choices.items() if c not in ("None", "null")])
+    del presets.hydra
+    changed = differences(OmegaConf.to_yaml(presets), config_yaml)
+    return hashlib.sha1("\n".join(changed).encode()).hexdigest()[:6] if changed else ""
+
+
+def run_dir_for(cfg, choices: dict[str, str], config_yaml: str, layout: str) -> Path:
+    """run.dir, or the default name, derived identically on every rank."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    parts = [choices["model"], choices["data"], layout, cfg.precision.mode]
+    if choices.get("experiment") not in (None, "None", "null"):
+        parts.append(choices["experiment"])
+    parts += [p for p in (override_digest(config_yaml, choices), cfg.run.tag) if p]
+    return Path(cfg.run.root) / "-".join(parts)
+
+
+def check_resumable(run_dir: Path, config_yaml: str) -> None:
+    """Refuse to continue a run directory's checkpoints under a config that trains something else."""
+    saved = run_dir / "config.yaml"
+    if not (saved.is_file() and (run_dir / "checkpoints" / "latest").is_file()):
+        return
+    changed = differences(saved.read_text(), config_yaml)
+    if changed:
+        raise ConfigError(f"{run_dir} holds checkpoints of a run with other settings ({'; '.join(changed[:4])}"
+                          + (" ..." if len(changed) > 4 else "") + ")", "run.dir",
+                          "set run.tag=<name> or run.dir=<new folder>, or trainer.resume=never to start it over")
