@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.fit()
     except ConfigError as err:
         exit_bad_input(err)
-    destroy_grid()
+    finally:
+        destroy_grid()
     return 0
 
 

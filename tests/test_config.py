@@ -56,6 +56,7 @@ def test_every_preset_composes():
     ("precision.mode=fp8", "precision.mode"),
     ("parallel.order=tp-xx", "parallel.order"),
     ("optim.name=sgd", "optim.name"),
+    ("+trainer.max_stepz=5", "trainer.max_stepz"),  # appending keys is refused
 ])
 def test_bad_settings_raise_config_error(override, setting):
     with pytest.raises(ConfigError) as info:

@@ -98,6 +98,10 @@ def test_synthetic_is_deterministic_and_in_layout(tmp_path):
     size = sum(p.stat().st_size for p in a.rglob("*") if p.is_file())
     assert size < 50 * 2**20
     assert ensure_synthetic(a) == a  # reused, not regenerated
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="neither empty"):
+        ensure_synthetic(tmp_path / "other")
 
 
 def test_synthetic_dynamics_move(era5_root):

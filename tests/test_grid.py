@@ -79,10 +79,10 @@ def test_serial_grid_has_free_axes():
 
 
 def _check_groups(rank: int, world_size: int) -> None:
-    grid = init_grid(ParallelConfig(tp=2, order="tp-dp"))
-    layout = _layout(world_size, "tp-dp", tp=2)
-    for names, groups in ((("tp",), layout[Axis.TP]), (("dp",), layout[Axis.DP]), (("dp", "cp"), layout[Axis.DP]),
-                          (("tp", "dp"), [list(range(world_size))])):
+    grid = init_grid(ParallelConfig(tp=2, cp=2, order="tp-cp-dp"))
+    layout = _layout(world_size, "tp-cp-dp", tp=2, cp=2)
+    for names, groups in ((("tp",), layout[Axis.TP]), (("cp",), layout[Axis.CP]), (("dp", "cp"), layout[Axis.CP]),
+                          (("tp", "cp"), [list(range(world_size))])):
         axis = grid.axis(*names)
         mine = next(g for g in groups if rank in g)
         assert axis.ranks == mine and axis.size == len(mine) and axis.rank == mine.index(rank), (names, axis)
@@ -90,7 +90,7 @@ def _check_groups(rank: int, world_size: int) -> None:
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=axis.group)  # the group really connects those ranks
         assert total.item() == sum(mine)
-    assert grid.axis("cp").group is None and grid.axis("cp").size == 1
+    assert grid.axis("dp").group is None and grid.axis("dp").size == 1 and grid.frozen
 
 
 def test_init_grid_groups_match_layout(tmp_path):

@@ -104,3 +104,10 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
     reference, tmp = gpt_reference
     run_dir = run_layout(tmp, layout, GPT, f"data.root={corpus_root}", *LAYOUTS[layout])
     assert_same_curve(reference, curves(run_dir))
+
+
+def test_gpt_uneven_splits(tmp_path, corpus_root):
+    """tp=3: 6 heads, 96-wide, vocabulary 1408 rows split 470/469/469, through validation's generation."""
+    uneven = [*GPT, f"data.root={corpus_root}", "model.embed_dim=96", "model.num_heads=6"]
+    reference = curves(run_layout(tmp_path, "single", uneven))
+    assert_same_curve(reference, curves(run_layout(tmp_path, "tp3", uneven, "parallel.tp=3")))

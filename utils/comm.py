@@ -169,6 +169,7 @@ class Grid:
         self.mesh = mesh  # torch DeviceMesh (dims slowest first), None for one process
         self.layout = rank_layout(self.sizes, self.order)
         self._axes: dict[str, AxisGroup] = {}
+        self.frozen = False  # set by init_grid once the groups exist: no group is created later
 
     @classmethod
     def serial(cls, device: torch.device | None = None) -> Grid:
@@ -203,6 +204,7 @@ class Grid:
         group = None
         if size > 1:
             assert self.mesh is not None, "a multi-rank axis needs an initialized mesh"
+            assert not self.frozen, f"group {name} was not created at start (add it to GROUPS_BUILT_AT_START)"
             mesh_names = [a.value for a in sorted(keys, key=lambda a: -self.order.index(a))]
             sub = self.mesh[tuple(mesh_names)] if len(mesh_names) > 1 else self.mesh[mesh_names[0]]
             group = sub._flatten(name).get_group() if len(mesh_names) > 1 else sub.get_group()
@@ -261,9 +263,13 @@ def launch_env(environ=os.environ) -> LaunchEnv:
 
 
 def pick_device(local_rank: int) -> torch.device:
+    """This rank's GPU (one per local rank), or the CPU when CUDA is not available."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
+        count = torch.cuda.device_count()
+        require(local_rank < count, f"local rank {local_rank} has no GPU of its own ({count} visible)",
+                "launch", f"start at most {count} ranks per node (one per GPU)")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -297,6 +303,7 @@ def init_grid(cfg: ParallelConfig) -> Grid:
     grid = Grid(sizes, order, env.rank, device, mesh)
     for axes in GROUPS_BUILT_AT_START:
         grid.axis(*axes)  # creating a group is collective: every rank, same order, at start
+    grid.frozen = True
     return grid
 
 

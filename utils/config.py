@@ -102,6 +102,10 @@ def _translate(err: Exception, argv: list[str]) -> ConfigError:
 
 def compose_config(argv: list[str]):
     """The composed DictConfig (with hydra.runtime.choices) for these overrides."""
+    for arg in argv:
+        if arg.startswith(("+", "~")):
+            raise ConfigError(f"adding or deleting settings is not supported ('{arg}')", arg.lstrip("+~").split("=")[0],
+                              "set an existing key as key=value; `python train.py --cfg` prints them")
     register_schemas()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR), job_name="train"):
         try:

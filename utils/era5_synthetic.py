@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from utils.era5 import CHANNELS
+from utils.errors import ConfigError
 
 GRID = (32, 64)  # (lat, lon) points: a 5.625-degree grid
 YEARS = {"train": [2016, 2017], "valid": [2018], "test": [2019]}
@@ -103,6 +104,9 @@ def ensure_synthetic(root: Path | None, seed: int = 0) -> Path:
     root = Path(root) if root else default_cache_dir()
     if (root / "stats" / "global_stds.npy").is_file():
         return root
+    if root.is_dir() and any(root.iterdir()):
+        raise ConfigError(f"{root} is neither empty nor a synthetic ERA5 copy", "data.root",
+                          "point data.root at an empty or new folder (or leave it null for the user cache)")
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".era5_synthetic-", dir=root.parent))
     try:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distributed.mappings import gather_from_region, split_sizes
 from networks.transformer import GPT, GPTConfig, check_seq_len, padded_vocab_size
 from networks.vit import ViT, ViTConfig
 from utils.comm import Axis, AxisGroup, Grid
@@ -118,13 +119,10 @@ class WeatherTask:
         return metrics
 
 
-def full_vocab(logits: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
-    """(B, V/t) vocabulary shards -> (B, V) on every tp rank (only for a few positions: generation)."""
-    if tp.size == 1:
-        return logits
-    parts = [torch.empty_like(logits) for _ in range(tp.size)]
-    dist.all_gather(parts, logits.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=-1)
+def full_vocab(logits: torch.Tensor, tp: AxisGroup, padded_vocab: int) -> torch.Tensor:
+    """(B, V_local) vocabulary shards (uneven when tp does not divide V) -> (B, V) on every tp rank.
+    Only for a few positions (generation): training never gathers the vocabulary."""
+    return gather_from_region(logits, tp, -1, split_sizes(padded_vocab, tp.size))
 
 
 class LanguageTask:
@@ -208,7 +206,7 @@ class LanguageTask:
         buffer[:, :self.prompt_len] = self.prompts().to(grid.device)
         for pos in range(self.prompt_len, length):
             with autocast():
-                logits = full_vocab(model(buffer)[:, pos - 1].float(), grid.axis(Axis.TP))
+                logits = full_vocab(model(buffer)[:, pos - 1].float(), grid.axis(Axis.TP), model.padded_vocab)
             buffer[:, pos] = logits[:, :self.vocab_size].argmax(dim=-1)
         decode = self.corpus.tokenizer.decode
         return "\n\n".join(f"**{decode(row[:self.prompt_len].tolist())}** {decode(row[self.prompt_len:].tolist())}"
