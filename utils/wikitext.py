@@ -16,6 +16,7 @@ appear atomically and the first writer wins, so concurrent ranks agree on one to
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -287,7 +288,9 @@ def cached(name: str, folders: list[Path], build: Callable[[Path], None]) -> Pat
     """Path of cache file `name`: an existing one, else built by `build(tmp)` in the first writable folder.
 
     The file is written under a temporary name and hard-linked into place, so readers never see half a
-    file and, when processes race, the first finished copy wins and everyone reads that one.
+    file and, when processes race, the first finished copy wins and everyone reads that one. A lock file
+    makes the ranks of a job that share a file system wait for the first builder instead of all
+    tokenizing the corpus at once.
     """
     for folder in folders:
         if (folder / name).is_file():
@@ -295,24 +298,34 @@ def cached(name: str, folders: list[Path], build: Callable[[Path], None]) -> Pat
     for folder in folders:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+            lock = open(folder / f".{name}.lock", "w")  # noqa: SIM115 (held until the build is done)
         except OSError:
             continue  # read-only: try the next folder
-        os.close(fd)
-        try:
-            build(Path(tmp))
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared data folder needs it readable
-            try:
-                os.link(tmp, folder / name)
-            except FileExistsError:
-                pass
-            except OSError:  # no hard links on this file system: last writer wins
-                os.replace(tmp, folder / name)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return folder / name
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (folder / name).is_file():  # another rank built it while we waited
+                return folder / name
+            return _build_into(folder, name, build)
     raise ConfigError(f"no writable cache folder among {', '.join(map(str, folders))}", "data.cache_dir",
                       "set data.cache_dir to a writable folder")
+
+
+def _build_into(folder: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """build(tmp) under a temporary name, then link it into place (first finished copy wins)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        build(Path(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared data folder needs it readable
+        try:
+            os.link(tmp, folder / name)
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links on this file system: last writer wins
+            os.replace(tmp, folder / name)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return folder / name
 
 
 def load_tokenizer(cfg: WikiTextConfig, train: SplitSource, folders: list[Path]) -> tuple[AnyTokenizer, str]:
