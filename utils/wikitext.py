@@ -305,17 +305,20 @@ def cached(name: str, folders: list[Path], build: Callable[[Path], None]) -> Pat
             fcntl.flock(lock, fcntl.LOCK_EX)
             if (folder / name).is_file():  # another rank built it while we waited
                 return folder / name
-            return _build_into(folder, name, build)
+            try:
+                fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+            except OSError:
+                continue  # not writable after all: try the next folder
+            os.close(fd)
+            return _build_into(folder, name, build, Path(tmp))
     raise ConfigError(f"no writable cache folder among {', '.join(map(str, folders))}", "data.cache_dir",
                       "set data.cache_dir to a writable folder")
 
 
-def _build_into(folder: Path, name: str, build: Callable[[Path], None]) -> Path:
-    """build(tmp) under a temporary name, then link it into place (first finished copy wins)."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-    os.close(fd)
+def _build_into(folder: Path, name: str, build: Callable[[Path], None], tmp: Path) -> Path:
+    """build(tmp) under its temporary name, then link it into place (first finished copy wins)."""
     try:
-        build(Path(tmp))
+        build(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared data folder needs it readable
         try:
             os.link(tmp, folder / name)
@@ -324,7 +327,7 @@ def _build_into(folder: Path, name: str, build: Callable[[Path], None]) -> Path:
         except OSError:  # no hard links on this file system: last writer wins
             os.replace(tmp, folder / name)
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
     return folder / name
 
 
