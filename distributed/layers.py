@@ -96,7 +96,21 @@ def _init_uniform(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) 
         nn.init.uniform_(bias, -bound, bound)
 
 
-class ColumnParallelLinear(TensorParallelLayer):
+class ParallelLinear(TensorParallelLayer):
+    """Base of the column- and row-parallel linears: built from a serial nn.Linear."""
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, axis: AxisGroup, **kwargs) -> ParallelLinear:
+        """This rank's shard of `linear` (rows for column-, columns for row-parallel; see shard_dims);
+        kwargs go to the constructor (gather_output, input_is_parallel, sequence_parallel, seq_dim, shards)."""
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, axis, bias=linear.bias is not None,
+                    device=w.device, dtype=w.dtype, **kwargs)
+        layer.copy_shards_from(linear)
+        return layer
+
+
+class ColumnParallelLinear(ParallelLinear):
     """Linear with OUT features split over `axis` (Megatron column parallelism, Shoeybi et al. fig. 3).
 
     Weight (out_local, in) = rows of the serial weight; bias (out_local) likewise.
@@ -122,15 +136,6 @@ class ColumnParallelLinear(TensorParallelLayer):
         self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
         _init_uniform(self.weight, self.bias, in_features)
 
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, axis: AxisGroup, **kwargs) -> ColumnParallelLinear:
-        """This rank's rows of `linear`; kwargs: gather_output, sequence_parallel, seq_dim, shards."""
-        w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, axis, bias=linear.bias is not None,
-                    device=w.device, dtype=w.dtype, **kwargs)
-        layer.copy_shards_from(linear)
-        return layer
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             sizes = self.shards.sizes if self.shards is not None else None
@@ -145,7 +150,7 @@ class ColumnParallelLinear(TensorParallelLayer):
                 f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(TensorParallelLayer):
+class RowParallelLinear(ParallelLinear):
     """Linear with IN features split over `axis` (Megatron row parallelism, Shoeybi et al. fig. 3).
 
     Weight (out, in_local) = columns of the serial weight; bias (out) replicated, added once after
@@ -169,15 +174,6 @@ class RowParallelLinear(TensorParallelLayer):
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         _init_uniform(self.weight, self.bias, in_features)
-
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, axis: AxisGroup, **kwargs) -> RowParallelLinear:
-        """This rank's columns of `linear` and its full bias; kwargs: input_is_parallel, sequence_parallel, seq_dim."""
-        w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, axis, bias=linear.bias is not None,
-                    device=w.device, dtype=w.dtype, **kwargs)
-        layer.copy_shards_from(linear)
-        return layer
 
     def partial_grad_params(self) -> list[nn.Parameter]:
         return [self.bias] if self.partial_grad_axes else []
