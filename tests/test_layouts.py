@@ -111,3 +111,14 @@ def test_gpt_uneven_splits(tmp_path, corpus_root):
     uneven = [*GPT, f"data.root={corpus_root}", "model.embed_dim=96", "model.num_heads=6"]
     reference = curves(run_layout(tmp_path, "single", uneven))
     assert_same_curve(reference, curves(run_layout(tmp_path, "tp3", uneven, "parallel.tp=3")))
+
+
+def test_dp2_resume_from_replica_checkpoints(vit_reference, era5_root):
+    """Only dp rank 0 writes weights and optimizer state; the other replica resumes from its file."""
+    reference, tmp = vit_reference
+    args = ["parallel.dp=2", "trainer.ckpt_every=0"]
+    run_dir = run_layout(tmp, "dp2_resumed", VIT, f"data.root={era5_root}", *args, "trainer.stop_at_step=5")
+    files = {f.name: f.stat().st_size for f in (run_dir / "checkpoints" / "step_0000005").glob("rank_*.pt")}
+    assert files["rank_00001.pt"] < files["rank_00000.pt"] / 10  # step and RNG only
+    run_layout(tmp, "dp2_resumed", VIT, f"data.root={era5_root}", *args)
+    assert_same_curve(reference, curves(run_dir))

@@ -105,7 +105,7 @@ def build_trainer(cfg: Config, choices: dict[str, str], config_yaml: str, task, 
     resume = resolve_resume(cfg.trainer.resume, checkpointer)
     trainer_args = dict(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer, scheduler=scheduler,
                         scaler=scaler, checkpointer=checkpointer, run_dir=run_dir, log=log)
-    state = checkpointer.load(resume) if resume else None
+    state = checkpointer.load(resume, replica_source=dp.ranks[0]) if resume else None
     start = int(state["step"]) if state else 0
     loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
                             dp_rank=dp.rank, dp_size=dp.size, seed=cfg.trainer.seed, start_step=start,

@@ -83,15 +83,24 @@ class Checkpointer:
         for old in olds[:max(0, len(olds) - (self.keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path) -> dict:
+    def load(self, path: Path, replica_source: int | None = None) -> dict:
+        """This rank's state; what it did not write (weights, optimizer: data-parallel replicas share them)
+        comes from the file of rank `replica_source` (dp rank 0 of its replica group)."""
+        state = self._load_file(Path(path), self.rank)
+        if "model" not in state and replica_source is not None:
+            shared = self._load_file(Path(path), replica_source)
+            state.update({k: v for k, v in shared.items() if k not in state})
+        return state
+
+    def _load_file(self, path: Path, rank: int) -> dict:
         recorded = Path(path) / "layout.txt"
         if self.layout and recorded.is_file() and recorded.read_text() != self.layout:
             raise ConfigError(f"checkpoint {path} was written by the layout '{recorded.read_text()}', not "
                               f"'{self.layout}'", "trainer.resume",
                               "resume with the layout that wrote it, or set trainer.resume=never")
-        file = Path(path) / f"rank_{self.rank:05d}.pt"
+        file = path / f"rank_{rank:05d}.pt"
         if not file.is_file():
-            raise ConfigError(f"checkpoint {path} has no file for rank {self.rank}", "trainer.resume",
+            raise ConfigError(f"checkpoint {path} has no file for rank {rank}", "trainer.resume",
                               "resume with the layout that wrote it, or set trainer.resume=never")
         return torch.load(file, map_location="cpu", weights_only=True)
 

@@ -74,9 +74,13 @@ class Trainer:
         self.flops_per_sample = built.flops_per_sample
 
     def state(self) -> dict:
-        return {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "rng": rng_state()}
+        """This rank's checkpoint: step and RNG always; weights and optimizer state only on dp rank 0,
+        since every data-parallel replica holds the same ones (see Checkpointer.load)."""
+        state = {"step": self.step, "rng": rng_state()}
+        if self.dp.rank == 0:
+            state.update(model=self.raw_model.state_dict(), optimizer=self.optimizer.state_dict(),
+                         scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict())
+        return state
 
     def load_state(self, state: dict) -> None:
         self.raw_model.load_state_dict(state["model"])
