@@ -57,11 +57,17 @@ class Attention(nn.Module):
     """Multi-head self-attention with one fused QKV projection and an output projection."""
 
     def __init__(self, dim: int, num_heads: int, causal: bool = False, dropout: float = 0.0,
-                 bias: bool = True, rotary: bool = False):
+                 bias: bool = True, rotary_positions: int = 0):
+        """`rotary_positions` > 0: rotary position embedding for up to that many positions (tables are
+        computed once, as buffers that follow the module's device)."""
         super().__init__()
         assert dim % num_heads == 0
         self.head_dim = dim // num_heads
-        self.rotary = rotary
+        self.rotary = rotary_positions > 0
+        if self.rotary:
+            cos, sin = rotary_tables(rotary_positions, self.head_dim)
+            self.register_buffer("rotary_cos", cos, persistent=False)  # (max_positions, head_dim/2)
+            self.register_buffer("rotary_sin", sin, persistent=False)
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.attend = ScaledDotProductAttention(causal, dropout)
         self.proj = nn.Linear(dim, dim, bias=bias)
@@ -72,8 +78,8 @@ class Attention(nn.Module):
         qkv = qkv.unflatten(-1, (-1, 3, self.head_dim)).permute(3, 0, 2, 1, 4)  # (3, B, h, N, hd)
         q, k, v = qkv.unbind(0)
         if self.rotary:
-            cos, sin = rotary_tables(q.shape[-2], self.head_dim, offset=self.position_offset)
-            cos, sin = cos.to(q.device), sin.to(q.device)
+            span = slice(self.position_offset, self.position_offset + q.shape[-2])
+            cos, sin = self.rotary_cos[span], self.rotary_sin[span]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.attend(q, k, v)  # (B, h, N, hd)
         return self.proj(y.transpose(1, 2).flatten(2))  # (B, N, C)
@@ -97,10 +103,10 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, causal: bool = False,
-                 dropout: float = 0.0, bias: bool = True, rotary: bool = False):
+                 dropout: float = 0.0, bias: bool = True, rotary_positions: int = 0):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads, causal, dropout, bias, rotary)
+        self.attn = Attention(dim, num_heads, causal, dropout, bias, rotary_positions)
         self.drop = nn.Dropout(dropout)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, int(dim * mlp_ratio), dropout, bias)

@@ -120,9 +120,9 @@ class GPT(nn.Module):
         self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.positions == "learned" else None
         self.embed_drop = nn.Dropout(cfg.dropout)
         self.enter_seq = SequenceRegion("enter")
-        rotary = cfg.positions == "rotary"
+        rotary = cfg.max_positions if cfg.positions == "rotary" else 0
         self.blocks = nn.ModuleList(
-            Block(d, cfg.num_heads, cfg.mlp_ratio, causal=True, dropout=cfg.dropout, rotary=rotary)
+            Block(d, cfg.num_heads, cfg.mlp_ratio, causal=True, dropout=cfg.dropout, rotary_positions=rotary)
             for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(d)
         self.lm_head = skip_init(nn.Linear, d, self.padded_vocab, bias=False, device=device)
