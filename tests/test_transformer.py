@@ -143,3 +143,17 @@ def test_config_errors(field, value):
 def test_rotary_needs_even_head_dim():
     with pytest.raises(ConfigError, match="model.positions"):
         GPTConfig(embed_dim=12, num_heads=4, positions="rotary")
+
+
+def test_rotary_scores_depend_only_on_relative_position():
+    from networks.blocks import Attention, apply_rotary
+
+    attn = Attention(16, 2, causal=True, rotary_positions=32)
+    q, k = torch.randn(8), torch.randn(8)
+
+    def score(m, n):
+        rot = lambda x, p: apply_rotary(x.view(1, 1, 1, 8), attn.rotary_cos[p:p + 1], attn.rotary_sin[p:p + 1]).flatten()
+        return (rot(q, m) * rot(k, n)).sum()
+
+    torch.testing.assert_close(score(3, 1), score(20, 18))
+    assert not torch.allclose(score(3, 1), score(3, 2))
