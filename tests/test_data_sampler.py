@@ -2,7 +2,7 @@
 
 import pytest
 
-from utils.data import GlobalBatchSampler, check_batch, shard_range
+from utils.data import GlobalBatchSampler, check_batch, contiguous_part
 from utils.errors import ConfigError
 
 
@@ -27,7 +27,7 @@ def test_resume_continues_the_sequence_and_epochs_differ():
 
 
 def test_validation_shards_cover_everything():
-    parts = [list(shard_range(10, r, 3)) for r in range(3)]
+    parts = [list(contiguous_part(10, r, 3)) for r in range(3)]
     assert sum(parts, []) == list(range(10))
 
 

@@ -46,7 +46,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             step = (epoch + 1) * self.steps_per_epoch
 
 
-def shard_range(n: int, rank: int, size: int) -> range:
+def contiguous_part(n: int, rank: int, size: int) -> range:
     """Contiguous, nearly equal part `rank` of range(n) (validation sets split over dp)."""
     return range(n * rank // size, n * (rank + 1) // size)
 
@@ -80,7 +80,7 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
         workers["prefetch_factor"] = 4
     # Own generators: worker seeds never draw from the global RNG, which dropout uses (exact resume)
     train = DataLoader(train_set, batch_sampler=sampler, generator=torch.Generator().manual_seed(seed), **workers)
-    val_part = torch.utils.data.Subset(val_set, shard_range(len(val_set), dp_rank, dp_size))
+    val_part = torch.utils.data.Subset(val_set, contiguous_part(len(val_set), dp_rank, dp_size))
     val_workers = min(num_workers, 2)
     val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
                      num_workers=val_workers, pin_memory=pin_memory, persistent_workers=val_workers > 0,

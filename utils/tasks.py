@@ -140,12 +140,10 @@ class LanguageTask:
 
     def load_data(self) -> None:
         """Read, tokenize (or load the caches of) the corpus; every data error is raised here."""
-        from utils.wikitext import unigram_perplexity
-
         self.corpus = load_wikitext(self.cfg)
         self.train_set = self.corpus.dataset("train", self.cfg.seq_len)
         self.val_set = self.corpus.dataset("valid", self.cfg.seq_len)
-        self.unigram_ppl = unigram_perplexity(self.corpus.train, self.corpus.valid, self.corpus.vocab_size)
+        self.unigram_ppl = self.corpus.unigram_ppl
 
     def describe(self) -> str:
         if not self.corpus:

@@ -17,6 +17,7 @@ appear atomically and the first writer wins, so concurrent ranks agree on one to
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -403,11 +404,15 @@ class WikiTextCorpus:
     def dataset(self, split: Split, seq_len: int) -> LMBlockDataset:
         return LMBlockDataset(getattr(self, split), seq_len, split)
 
+    @functools.cached_property
+    def unigram_ppl(self) -> float:
+        """Perplexity of the unigram baseline on the validation split (computed once)."""
+        return unigram_perplexity(self.train, self.valid, self.vocab_size)
+
     def describe(self) -> str:
         """One log line: where from, vocabulary, split sizes and the unigram baseline on valid."""
-        ppl = unigram_perplexity(self.train, self.valid, self.vocab_size)
         return (f"{self.folder} ({self.tokenizer.kind}): vocab {self.vocab_size}, tokens train {len(self.train)} "
-                f"valid {len(self.valid)} test {len(self.test)}, unigram valid ppl {ppl:.1f}")
+                f"valid {len(self.valid)} test {len(self.test)}, unigram valid ppl {self.unigram_ppl:.1f}")
 
 
 def load_wikitext(cfg: WikiTextConfig) -> WikiTextCorpus:
