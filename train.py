@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(USAGE)
         return 0
+    # Imported here, not at the top: `--help` answers at once without loading torch and Hydra.
     from utils.build import build_run
     from utils.comm import destroy_grid
     from utils.config import load_config

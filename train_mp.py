@@ -7,21 +7,18 @@ on gloo. Returns the first non-zero exit status; when a rank fails, the others a
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+
+from utils.comm import check_grid
+from utils.config import load_config
 from utils.errors import ConfigError, exit_bad_input
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from utils.launch import LaunchEnv, free_port, rank_env
 
 
 def parse_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -43,24 +40,11 @@ def parse_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
 
 def world_size(argv: list[str], nproc: int | None) -> int:
     """Ranks the grid needs (validated like train.py does, before anything starts)."""
-    from utils.comm import LaunchEnv, check_grid
-    from utils.config import load_config
-
     cfg, _, _ = load_config(argv)
     p = cfg.parallel
     world = nproc or p.tp * p.cp * p.pp * max(p.dp, 1)
     check_grid(p, LaunchEnv(world_size=world))
     return world
-
-
-def rank_env(rank: int, world: int, port: int, use_gpus: bool) -> dict[str, str]:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if not use_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        # CPU ranks share the cores: more threads than cores makes every collective wait on spinning threads
-        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // world))
-    return env
 
 
 def supervise(procs: list[subprocess.Popen]) -> int:
@@ -91,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         world = world_size(argv, nproc)
     except ConfigError as err:
         exit_bad_input(err)
-    import torch
-
     use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world
     port = free_port()
     entry = str(Path(__file__).resolve().parent / "train.py")

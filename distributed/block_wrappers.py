@@ -5,8 +5,8 @@ compiles one block graph and reuses it, and checkpointing recomputes one block a
 With both on, dynamo traces the (non-reentrant) checkpoint as part of the block: still one graph.
 The tensor-parallel mappings trace without graph breaks (tests/test_compile.py); a new grad mode,
 autocast state or input shape compiles another graph. Collectives inside compiled blocks are counted
-like eager ones (`dlscale::add_bytes` in utils/comm.py), except the ones the compiled backward re-runs
-for activation checkpointing.
+like eager ones (`dlscale::add_bytes` in distributed/counting.py), except the ones the compiled
+backward re-runs for activation checkpointing.
 """
 
 from __future__ import annotations

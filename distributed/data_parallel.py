@@ -4,8 +4,8 @@
   the same weights for every weight, with a comm hook that averages each gradient bucket by
   all-reduce and records 2(d-1)/d x bucket bytes on that axis (ring all-reduce, d = its size).
 - `sync_partial_grads` sums over tp the gradients that layers declare partial (`partial_grad_axes` and
-  `partial_grad_params()` of `distributed.layers`: LayerNorms and row-parallel biases under sequence
-  parallelism, whose ranks each saw only their own tokens), in one coalesced all-reduce per axis.
+  `partial_grad_params()` of `distributed/tensor/layers.py`: LayerNorms and row-parallel biases under
+  sequence parallelism, whose ranks each saw only their own tokens), in one coalesced all-reduce per axis.
   Call it after the last backward of a step, before clipping and the optimizer step.
 - `no_sync` skips DDP's all-reduce for gradient-accumulation micro-batches, wrapped or not.
 """
@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distributed.collectives import all_reduce_coalesced_, nbytes, ring_bytes
+from distributed.counting import record
 from utils.comm import Axis, AxisGroup, Grid
 
 
@@ -31,9 +32,8 @@ def _allreduce_mean_hook(axis, bucket):
     objects, which `from __future__ import annotations` would turn into strings.
     """
     buffer = bucket.buffer()
-    n = axis.size
-    axis.record(2 * (n - 1) * buffer.numel() * buffer.element_size() // n)
-    buffer.div_(n)
+    record(axis, ring_bytes("all_reduce", nbytes(buffer), axis.size))
+    buffer.div_(axis.size)
     work = dist.all_reduce(buffer, group=axis.group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -43,6 +43,8 @@ def wrap_data_parallel(model: nn.Module, *, grid: Grid, bucket_cap_mb: float = 2
 
     Collectives: one all-reduce (mean) per gradient bucket in backward, overlapped with it. At
     construction DDP checks parameter shapes and broadcasts the weights from the group's first rank.
+    Buffers are not broadcast each forward (`broadcast_buffers=False`): the models' only buffers are
+    constant rotary tables, identical on every rank, and the broadcast would be uncounted traffic.
     """
     axis = grid.axis(Axis.DP, Axis.CP)
     if axis.size == 1:
@@ -50,7 +52,7 @@ def wrap_data_parallel(model: nn.Module, *, grid: Grid, bucket_cap_mb: float = 2
     device = grid.device
     ddp = DistributedDataParallel(model, process_group=axis.group, bucket_cap_mb=bucket_cap_mb,
                                   device_ids=[device] if device.type == "cuda" else None,
-                                  gradient_as_bucket_view=True)
+                                  gradient_as_bucket_view=True, broadcast_buffers=False)
     ddp.register_comm_hook(axis, _allreduce_mean_hook)
     return ddp
 
@@ -70,40 +72,25 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def partial_grad_params(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    """Axis name -> parameters whose gradients are partial over it, as declared by their layers."""
-    found: dict[str, list[nn.Parameter]] = {}
+def partial_grad_params(model: nn.Module) -> dict[str, tuple[AxisGroup, list[nn.Parameter]]]:
+    """Axis name -> (the AxisGroup, parameters whose gradients are partial over it), as layers declare."""
+    found: dict[str, tuple[AxisGroup, list[nn.Parameter]]] = {}
     seen: set[int] = set()
     for module in model.modules():
-        for axis_name in getattr(module, "partial_grad_axes", ()):
+        for axis in getattr(module, "partial_grad_axes", ()):
             for p in module.partial_grad_params():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    found.setdefault(axis_name, []).append(p)
+                    found.setdefault(axis.name, (axis, []))[1].append(p)
     return found
 
 
-def sync_partial_grads(model: nn.Module, *, grid: Grid) -> None:
+def sync_partial_grads(model: nn.Module) -> None:
     """Sum declared partial gradients over their axis: one flat all-reduce per axis (and dtype).
 
     Records 2(t-1)/t x bytes of the flat buffer on the axis. Parameters without a gradient are skipped.
     """
-    for axis_name, params in partial_grad_params(unwrap(model)).items():
-        axis = grid.axis(*axis_name.split("_"))
-        if axis.size == 1:
-            continue
+    for axis, params in partial_grad_params(unwrap(model)).values():
         grads = [p.grad for p in params if p.grad is not None]
         for dtype in sorted({g.dtype for g in grads}, key=str):
-            _all_reduce_coalesced([g for g in grads if g.dtype == dtype], axis)
-
-
-def _all_reduce_coalesced(grads: list[torch.Tensor], axis: AxisGroup) -> None:
-    """Sum `grads` over `axis` in place through one flat buffer."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    n = axis.size
-    axis.record(2 * (n - 1) * flat.numel() * flat.element_size() // n)
-    dist.all_reduce(flat, group=axis.group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+            all_reduce_coalesced_([g for g in grads if g.dtype == dtype], axis)

@@ -1,21 +1,22 @@
 """Global gradient norm (and clipping) of a possibly tensor-parallel model.
 
-A parameter sharded over an axis contributes its local sum of squares, summed over that axis; a
-replicated parameter contributes once. Parallel layers declare which of their parameters are sharded
-(`sharded_params`, a tuple of parameter names, and `shard_axis`); everything else is replicated.
+A parameter sharded over an axis contributes its local sum of squares, summed over that axis (one
+counted all-reduce per axis); a replicated parameter contributes once. Parallel layers declare which
+of their parameters are sharded (`sharded_params`, a tuple of parameter names, and `shard_axis`, the
+AxisGroup they are split over); everything else is replicated.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from utils.comm import Grid
+from distributed.collectives import all_reduce
+from utils.comm import AxisGroup, Grid
 
 
-def _squares(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum of squared gradients of replicated params, and of sharded params per shard axis."""
+def _squares(model: nn.Module) -> tuple[torch.Tensor | None, dict[str, tuple[AxisGroup, torch.Tensor]]]:
+    """Sum of squared gradients of replicated params, and of sharded params per shard axis (by name)."""
     replicated, sharded, seen = None, {}, set()
     for module in model.modules():
         names = getattr(module, "sharded_params", ())
@@ -25,8 +26,9 @@ def _squares(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             seen.add(id(p))
             sq = p.grad.detach().float().pow(2).sum()
             if name in names:
-                axis = str(module.shard_axis)
-                sharded[axis] = sq if axis not in sharded else sharded[axis] + sq
+                axis = module.shard_axis
+                total = sharded[axis.name][1] + sq if axis.name in sharded else sq
+                sharded[axis.name] = (axis, total)
             else:
                 replicated = sq if replicated is None else replicated + sq
     return replicated, sharded
@@ -36,11 +38,8 @@ def grad_norm(model: nn.Module, *, grid: Grid) -> torch.Tensor:
     """The L2 norm of the full (unsharded) gradient, identical on every rank."""
     replicated, sharded = _squares(model)
     total = replicated if replicated is not None else torch.zeros((), device=grid.device)
-    for axis, sq in sharded.items():
-        group = grid.axis(axis)
-        if group.size > 1:
-            dist.all_reduce(sq, group=group.group)
-        total = total + sq
+    for axis, sq in sharded.values():
+        total = total + all_reduce(sq, axis)
     return total.sqrt()
 
 

@@ -17,11 +17,11 @@ cannot know the other ranks' lengths, so it takes `sizes` (per-rank lengths, see
 without it the split is assumed even. Uneven gathers and reduce-scatters pad every chunk to the
 largest one (gloo has no all-gatherv) and trim afterwards.
 
-Collectives go through `torch.distributed._functional_collectives`, which torch.compile traces
-without graph breaks. Every mapping records on its axis the bytes this rank sends with the ring
-algorithm, n = axis.size: all-reduce 2(n-1)/n x bytes(tensor), all-gather (n-1)/n x bytes(gathered
-output), reduce-scatter (n-1)/n x bytes(full input); for uneven splits that is the padded buffer
-actually sent. Recording goes through `AxisGroup.record`, a custom op with an ordered effect that
+The collectives are the functional, counted ones of `distributed/collectives.py`, which torch.compile
+traces without graph breaks. Each records on its axis the bytes this rank sends with the ring
+algorithm (`ring_bytes`), n = axis.size: all-reduce 2(n-1)/n x bytes(tensor), all-gather (n-1)/n x
+bytes(gathered output), reduce-scatter (n-1)/n x bytes(full input); for uneven splits that is the
+padded buffer actually sent. Recording goes through `distributed.counting.record`, whose custom op
 torch.compile keeps in its graphs, so compiled regions count the same bytes as eager ones, in the
 forward and in the compiled backward. Byte counts stay integer arithmetic (SymInts under dynamic
 shapes: no specialization). Activation checkpointing: eager recomputation re-runs the forward
@@ -34,28 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
+from distributed.collectives import all_gather, all_reduce, own_chunk, reduce_scatter, split_sizes
 from utils.comm import AxisGroup
-
-# Recent torch renamed the dim-aware funcol collectives (the old names warn); older releases lack the new ones.
-_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
-def split_sizes(length: int, parts: int) -> list[int]:
-    """Per-rank lengths of `length` split over `parts` ranks, as `torch.tensor_split` does."""
-    base, extra = divmod(length, parts)
-    return [base + 1 if i < extra else base for i in range(parts)]
-
-
-def _nbytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
-
-
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    """Materialize a functional collective's result (eager mode returns an AsyncCollectiveTensor)."""
-    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
 def _resolve_sizes(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: Sequence[int] | None) -> list[int]:
@@ -65,61 +46,8 @@ def _resolve_sizes(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: Sequence[i
     sizes = list(sizes)
     assert len(sizes) == axis.size and sizes[axis.rank] == x.shape[dim], \
         f"sizes {sizes} do not match the local length {x.shape[dim]} on rank {axis.rank} of {axis.name}"
+    assert sizes == split_sizes(sum(sizes), axis.size), f"sizes {sizes} are not a tensor_split of {sum(sizes)}"
     return sizes
-
-
-def _pad_to(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    """Zero-pad `x` along `dim` up to `length`."""
-    missing = length - x.shape[dim]
-    if missing == 0:
-        return x
-    pad_shape = list(x.shape)
-    pad_shape[dim] = missing
-    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-
-
-def _own_chunk(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
-    """This rank's contiguous chunk of `x` along `dim` (no communication)."""
-    start = sum(sizes[: axis.rank])
-    return x.narrow(dim, start, sizes[axis.rank]).contiguous()
-
-
-def _all_reduce(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
-    """All-reduce over `axis`; records 2(n-1)/n x bytes(x)."""
-    n = axis.size
-    axis.record(2 * (n - 1) * _nbytes(x) // n)
-    return _wait(funcol.all_reduce(x.contiguous(), op, axis.group))
-
-
-def all_reduce_tensor(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
-    """Plain (not differentiable) all-reduce over `axis` with byte accounting, for autograd Functions
-    that write their own backward (e.g. the vocab-parallel cross-entropy). `op`: 'sum' | 'max' | ...
-    """
-    return x if axis.size == 1 else _all_reduce(x, axis, op)
-
-
-def _all_gather(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
-    """Concatenate every rank's chunk along `dim`; records (n-1)/n x bytes(gathered buffer)."""
-    n, longest = axis.size, max(sizes)
-    padded = _pad_to(x, dim, longest).contiguous()
-    axis.record((n - 1) * _nbytes(padded))
-    gathered = _wait(_all_gather_single(padded, dim, axis.group))  # (..., n * longest, ...)
-    if all(s == longest for s in sizes):
-        return gathered
-    return torch.cat([gathered.narrow(dim, r * longest, s) for r, s in enumerate(sizes)], dim=dim)
-
-
-def _reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
-    """Sum over `axis`, keep this rank's chunk along `dim`; records (n-1)/n x bytes(sent input)."""
-    n = axis.size
-    sizes = split_sizes(x.shape[dim], n)
-    longest = max(sizes)
-    if any(s != longest for s in sizes):
-        x = torch.cat([_pad_to(c, dim, longest) for c in x.tensor_split(n, dim=dim)], dim=dim)
-    x = x.contiguous()
-    axis.record((n - 1) * _nbytes(x) // n)
-    out = _wait(_reduce_scatter_single(x, "sum", dim, axis.group))  # (..., longest, ...)
-    return out.narrow(dim, 0, sizes[axis.rank])
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -132,7 +60,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.axis), None
+        return all_reduce(grad, ctx.axis), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -140,7 +68,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
-        return _all_reduce(x, axis)
+        return all_reduce(x, axis)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -154,11 +82,11 @@ class _ScatterToRegion(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
         ctx.axis, ctx.dim = axis, dim
         ctx.sizes = split_sizes(x.shape[dim], axis.size)
-        return _own_chunk(x, axis, dim, ctx.sizes)
+        return own_chunk(x, axis, dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.axis, ctx.dim, ctx.sizes), None, None
+        return all_gather(grad, ctx.axis, ctx.dim, ctx.sizes), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -167,11 +95,11 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
         ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
-        return _all_gather(x, axis, dim, sizes)
+        return all_gather(x, axis, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _own_chunk(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
+        return own_chunk(grad, ctx.axis, ctx.dim).contiguous(), None, None, None
 
 
 class _AllGatherRegion(torch.autograd.Function):
@@ -180,11 +108,11 @@ class _AllGatherRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
         ctx.axis, ctx.dim = axis, dim
-        return _all_gather(x, axis, dim, sizes)
+        return all_gather(x, axis, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.axis, ctx.dim), None, None, None
+        return reduce_scatter(grad, ctx.axis, ctx.dim), None, None, None
 
 
 class _ReduceScatterRegion(torch.autograd.Function):
@@ -194,11 +122,11 @@ class _ReduceScatterRegion(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
         ctx.axis, ctx.dim = axis, dim
         ctx.sizes = split_sizes(x.shape[dim], axis.size)
-        return _reduce_scatter(x, axis, dim)
+        return reduce_scatter(x, axis, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.axis, ctx.dim, ctx.sizes), None, None
+        return all_gather(grad, ctx.axis, ctx.dim, ctx.sizes), None, None
 
 
 def copy_to_region(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:

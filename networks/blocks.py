@@ -1,10 +1,11 @@
 """Transformer building blocks shared by the ViT and the language model.
 
-Written serially with plain nn.Linear/nn.LayerNorm; `distributed.parallelize` swaps them for parallel
-layers. Conventions it relies on:
+Written serially with plain nn.Linear/nn.LayerNorm; `distributed.tensor.parallelize` swaps them for
+parallel layers. Conventions it relies on:
 - `Attention.qkv` is one fused projection whose output features are ordered (head, {q,k,v}, head_dim),
   so a contiguous split of the output features gives each tensor-parallel rank whole heads.
-- `Attention.attend` is the attention core on (B, heads, N, head_dim); context parallelism swaps it.
+- `Attention.attend` is the attention core on (B, heads, N, head_dim), a module of its own so that
+  context parallelism (planned) can swap it for a distributed one.
 - `SequenceRegion` modules mark where activations enter and leave the sequence-sharded region.
 """
 
@@ -71,15 +72,13 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.attend = ScaledDotProductAttention(causal, dropout)
         self.proj = nn.Linear(dim, dim, bias=bias)
-        self.position_offset = 0  # first global position of the local sequence (context parallelism)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, N, heads_local * 3 * head_dim)
         qkv = qkv.unflatten(-1, (-1, 3, self.head_dim)).permute(3, 0, 2, 1, 4)  # (3, B, h, N, hd)
         q, k, v = qkv.unbind(0)
         if self.rotary:
-            span = slice(self.position_offset, self.position_offset + q.shape[-2])
-            cos, sin = self.rotary_cos[span], self.rotary_sin[span]
+            cos, sin = self.rotary_cos[:q.shape[-2]], self.rotary_sin[:q.shape[-2]]  # (N, head_dim/2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.attend(q, k, v)  # (B, h, N, hd)
         return self.proj(y.transpose(1, 2).flatten(2))  # (B, N, C)

@@ -2,8 +2,8 @@
 
 Token embedding (+ learned position embedding, or rotary inside attention) -> pre-norm causal blocks
 -> final LayerNorm -> linear head over the padded vocabulary (optionally tied to the embedding).
-Built only from `networks.blocks.Block` so that `distributed.parallelize` can swap its layers; the
-attribute names below are the convention that code relies on:
+Built only from `networks.blocks.Block` so that `distributed.tensor.parallelize` can swap its layers;
+the attribute names below are the convention that code relies on:
 
     tok_embed  nn.Embedding(V_padded, D)           pos_embed  nn.Embedding(max_positions, D) | None
     enter_seq  SequenceRegion('enter') after the embeddings (the sequence is split from here on)
@@ -12,8 +12,8 @@ attribute names below are the convention that code relies on:
     criterion  CausalLMLoss, with `num_valid_vocab` (columns >= it are padding and never count)
 
 There is no 'exit' region: the head consumes the sequence region's layout directly (under tensor
-sequence parallelism the vocab-parallel head all-gathers the sequence itself; under context
-parallelism each rank's logits and loss cover its own tokens, with targets split the same way).
+sequence parallelism the vocab-parallel head all-gathers the sequence itself). Greedy decoding for
+any layout is `utils.generate.greedy_decode`.
 The vocabulary is padded to a multiple of `vocab_multiple` (tensor-parallel vocab splits, fast
 matmuls); padding changes neither the initial weights of real tokens nor the loss.
 """
@@ -81,7 +81,6 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
 
 def check_seq_len(cfg: GPTConfig, seq_len: int) -> None:
     """User error when the data's sequence length does not fit the model's position range."""
-    require(seq_len > 0, f"seq_len must be positive, got {seq_len}", "data.seq_len", "set a positive length")
     require(seq_len <= cfg.max_positions, f"seq_len {seq_len} exceeds model.max_positions {cfg.max_positions}",
             "data.seq_len", f"set data.seq_len <= {cfg.max_positions} or raise model.max_positions")
 
@@ -162,7 +161,7 @@ class GPT(nn.Module):
         x = self.tok_embed(idx)  # (B, S, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.arange(seq_len, device=idx.device))
-        x = self.enter_seq(self.embed_drop(x))  # (B, S_local, D) under sequence/context parallelism
+        x = self.enter_seq(self.embed_drop(x))  # (B, S_local, D) under sequence parallelism
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.norm(x))  # (B, S_local, V_padded)
@@ -175,21 +174,3 @@ class GPT(nn.Module):
         """Weights that take part in matrix multiplies (for the FLOP model): every linear, with the
         (padded) output head counted once even when tied; embedding lookups, norms, biases excluded."""
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding: append `max_new_tokens` argmax tokens to `idx` (B, S); never a padded id.
-
-        For the serial model (full-vocabulary logits). The context is cropped to the last
-        `max_positions` tokens. Runs in eval mode (no dropout) and restores the previous mode.
-        """
-        was_training = self.training
-        self.eval()
-        try:
-            for _ in range(max_new_tokens):
-                context = idx[:, -self.cfg.max_positions:]
-                logits = self(context)[:, -1, :self.vocab_size]  # (B, V)
-                idx = torch.cat((idx, logits.argmax(dim=-1, keepdim=True)), dim=1)
-        finally:
-            self.train(was_training)
-        return idx

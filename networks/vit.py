@@ -1,7 +1,7 @@
 """The ERA5 Vision Transformer: state at t (C x H x W) -> state at t+dt, as in the NERSC tutorial.
 
 Patchify -> linear patch embedding + learned position embedding -> pre-norm blocks -> norm ->
-linear head -> un-patchify. One definition for every layout: `distributed.parallelize` shards it.
+linear head -> un-patchify. One definition for every layout: `distributed.tensor.parallelize` shards it.
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ class ViT(nn.Module):
         super().__init__()
         h, w = img_size
         p = cfg.patch_size
-        require(h % p == 0 and w % p == 0, f"img_size {list(img_size)} is not divisible by patch_size {p}",
-                "data.img_size", f"choose a crop whose sides are multiples of model.patch_size={p}")
+        assert h % p == 0 and w % p == 0, f"img_size {list(img_size)} is not divisible by patch_size {p} (see Config)"
         self.cfg, self.img_size, self.out_channels = cfg, (h, w), out_channels
         self.grid_hw = (h // p, w // p)
         num_patches = self.grid_hw[0] * self.grid_hw[1]
@@ -82,7 +81,7 @@ class ViT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pos_drop(self.patch_embed(self.patchify(x)) + self.pos_embed)  # (B, N, D)
-        x = self.enter_seq(x)  # (B, N_local, D) under sequence/context parallelism
+        x = self.enter_seq(x)  # (B, N_local, D) under sequence parallelism
         for block in self.blocks:
             x = block(x)
         x = self.exit_seq(self.norm(x))  # (B, N, D)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def era5_root(tmp_path_factory) -> Path:
-    from utils.era5_synthetic import ensure_synthetic
+    from utils.data.era5_synthetic import ensure_synthetic
 
     return ensure_synthetic(tmp_path_factory.mktemp("era5") / "synthetic")
 
@@ -47,6 +47,6 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.fixture(scope="session")
 def corpus_root(tmp_path_factory) -> Path:
-    from utils.corpus import ensure_sample_corpus
+    from utils.data.corpus import ensure_sample_corpus
 
     return ensure_sample_corpus(tmp_path_factory.mktemp("wikitext") / "sample")

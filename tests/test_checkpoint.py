@@ -4,11 +4,14 @@ import pytest
 import torch
 
 from utils.checkpoint import Checkpointer, resolve_resume, rng_state, set_rng_state
+from utils.comm import Grid
 from utils.errors import ConfigError
+
+WORLD = Grid.serial().world  # one process
 
 
 def test_round_trip_and_latest(tmp_path):
-    ck = Checkpointer(tmp_path, rank=0, keep=2)
+    ck = Checkpointer(tmp_path, WORLD, keep=2)
     assert ck.latest() is None
     for step in (10, 20, 30):
         ck.save(step, {"step": step, "w": torch.full((3,), float(step)), "lr": [0.1, 0.2]})
@@ -19,7 +22,7 @@ def test_round_trip_and_latest(tmp_path):
 
 
 def test_crash_mid_save_leaves_latest_complete(tmp_path):
-    ck = Checkpointer(tmp_path, rank=0)
+    ck = Checkpointer(tmp_path, WORLD)
     ck.save(10, {"step": 10})
     (tmp_path / "checkpoints" / ".tmp_step_0000020").mkdir()  # a save that died before the rename
     assert resolve_resume("auto", ck).name == "step_0000010"
@@ -33,7 +36,7 @@ class Payload:
 
 
 def test_loading_refuses_arbitrary_objects(tmp_path):
-    ck = Checkpointer(tmp_path, rank=0)
+    ck = Checkpointer(tmp_path, WORLD)
     path = ck.save(1, {"step": 1})
     torch.save({"step": 1, "evil": Payload()}, path / "rank_00000.pt")
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):

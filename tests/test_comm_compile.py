@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from distributed.block_wrappers import wrap_blocks
-from distributed.parallelize import parallelize
+from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from tests.dist_utils import run_ranks
 from utils.comm import Grid, ParallelConfig, init_grid

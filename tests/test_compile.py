@@ -33,8 +33,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (Checkpo
                                                                      checkpoint_wrapper)
 
 from distributed.block_wrappers import wrap_blocks
-from distributed.layers import TensorParallelLayer
-from distributed.parallelize import parallelize
+from distributed.tensor.layers import TensorParallelLayer
+from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
 from tests.dist_utils import run_ranks

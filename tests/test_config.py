@@ -41,9 +41,25 @@ def test_short_limits_samples():
 
 
 def test_every_preset_composes():
+    """Every preset composes with the defaults, or with the data and heads its rules between groups need."""
+    needs = {"model=gpt_tiny": ["data=wikitext_sample"], "model=gpt_small": ["data=wikitext_sample"],
+             "model=gpt_medium": ["data=wikitext_sample"], "parallel=tp8": ["model.num_heads=8"]}
     for group in ("model", "precision", "parallel", "optim", "experiment"):
         for name in presets(group):
-            load_config([f"{group}={name}"])
+            load_config([f"{group}={name}", *needs.get(f"{group}={name}", [])])
+
+
+@pytest.mark.parametrize("overrides,setting", [
+    (["model=gpt_tiny"], "model"),  # a language model on ERA5
+    (["data=wikitext_sample"], "model"),  # a ViT on text
+    (["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=512"], "data.seq_len"),  # > max_positions
+    (["data.img_size=[32,62]"], "data.img_size"),  # not a multiple of the patch (4)
+    (["parallel=tp8"], "parallel.tp"),  # 4 heads over 8 ranks
+])
+def test_rules_between_groups(overrides, setting):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    assert info.value.setting == setting
 
 
 @pytest.mark.parametrize("override,setting", [

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.data_parallel import no_sync, sync_partial_grads, unwrap, wrap_data_parallel
-from distributed.layers import SequenceParallelLayerNorm, TensorParallelLayer
-from distributed.parallelize import parallelize
+from distributed.tensor.layers import SequenceParallelLayerNorm, TensorParallelLayer
+from distributed.tensor.parallelize import parallelize
 from tests.dist_utils import run_ranks
 from tests.test_parallelize import CHANNELS, IMG, build_vit
 from utils.comm import Grid, ParallelConfig, init_grid
@@ -75,7 +75,7 @@ def _check_ddp_step(grid: Grid, dp: int, accumulate: bool) -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     n = dp_axis.size
     assert dp_axis.bytes_moved == 2 * (n - 1) * grad_bytes // n, (dp_axis.bytes_moved, grad_bytes)
-    sync_partial_grads(model, grid=grid)
+    sync_partial_grads(model)
     reference, module_of = _serial_grads(), dict(unwrap(model).named_modules())
     for name, p in unwrap(model).named_parameters():
         torch.testing.assert_close(_local_full_grad(name, module_of, p, grid), reference[name],
@@ -99,7 +99,7 @@ def _partial_sync_checks(rank: int, world_size: int) -> None:
     for r in range(world_size):  # the sum over ranks, computed locally
         reference(inputs[r]).pow(2).sum().backward()
     grid.reset_comm_bytes()
-    sync_partial_grads(norm, grid=grid)
+    sync_partial_grads(norm)
     torch.testing.assert_close(norm.weight.grad, reference.weight.grad)
     torch.testing.assert_close(norm.bias.grad, reference.bias.grad)
     assert axis.bytes_moved == 2 * (world_size - 1) * 16 * 8 // world_size  # one flat buffer of 16 doubles
@@ -117,6 +117,6 @@ def test_single_replica_is_not_wrapped():
     with no_sync(model):
         _loss(model, x, y).backward()
     _loss(reference, x, y).backward()
-    sync_partial_grads(model, grid=grid)  # nothing declared, size-1 axes: a no-op
+    sync_partial_grads(model)  # nothing declared, size-1 axes: a no-op
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)

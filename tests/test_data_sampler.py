@@ -2,8 +2,9 @@
 
 import pytest
 
-from utils.data import GlobalBatchSampler, check_batch, contiguous_part
+from utils.data.batching import GlobalBatchSampler, check_batch, contiguous_part
 from utils.errors import ConfigError
+from utils.trainer import TrainerConfig
 
 
 def take(sampler, n):
@@ -31,12 +32,18 @@ def test_validation_shards_cover_everything():
     assert sum(parts, []) == list(range(10))
 
 
-@pytest.mark.parametrize("args,setting", [((0, 1, 1, 10), "trainer.global_batch_size"),
-                                          ((6, 4, 1, 100), "trainer.global_batch_size"),
+@pytest.mark.parametrize("args,setting", [((6, 4, 1, 100), "trainer.global_batch_size"),
                                           ((8, 2, 3, 100), "trainer.global_batch_size"),
-                                          ((64, 1, 1, 10), "trainer.global_batch_size"),
-                                          ((8, 1, 0, 10), "trainer.grad_accum_steps")])
+                                          ((64, 1, 1, 10), "trainer.global_batch_size")])
 def test_bad_batch_settings(args, setting):
     with pytest.raises(ConfigError) as info:
         check_batch(*args)
     assert info.value.setting == setting
+
+
+@pytest.mark.parametrize("field", ["global_batch_size", "grad_accum_steps"])
+def test_batch_signs_are_the_trainer_schemas(field):
+    """Zero batches are refused once, by TrainerConfig, not again by check_batch."""
+    with pytest.raises(ConfigError) as info:
+        TrainerConfig(**{field: 0})
+    assert info.value.setting == f"trainer.{field}"

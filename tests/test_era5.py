@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from utils.era5 import ERA5Config, ERA5Dataset, latitude_weights
-from utils.era5_synthetic import ensure_synthetic
+from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
+from utils.data.era5_synthetic import ensure_synthetic
 from utils.errors import ConfigError
 
 C, H, W = 3, 12, 20

@@ -6,7 +6,8 @@ import sys
 import time
 
 from tests.conftest import ROOT, run_entry
-from train_mp import free_port, supervise
+from train_mp import supervise
+from utils.launch import free_port
 
 
 def test_train_mp_rejects_a_grid_that_does_not_fit():
@@ -40,7 +41,7 @@ def test_a_rank_whose_partner_failed_its_checks_does_not_hang(tmp_path, era5_roo
 def test_launch_environments():
     import pytest
 
-    from utils.comm import launch_env
+    from utils.launch import launch_env
     from utils.errors import ConfigError
 
     assert launch_env({}).world_size == 1

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from distributed.data_parallel import sync_partial_grads
-from distributed.layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm, SequenceShards,
-                                VocabParallelCrossEntropy, VocabParallelEmbedding, shard)
+from distributed.tensor.layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
+                                       SequenceShards, shard)
+from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.transformer import CausalLMLoss
 from tests.dist_utils import run_ranks
-from utils.comm import ParallelConfig, init_grid
+from utils.comm import Grid, ParallelConfig, init_grid
 
 B, N, D_IN, D_OUT, VOCAB, VALID = 2, 7, 6, 10, 18, 13
 close = torch.testing.assert_close
@@ -47,7 +49,7 @@ def _parallel_run(module: nn.Module, x: torch.Tensor, cotangent_of, grid=None):
     y = module(x)
     y.backward(cotangent_of(y))
     if grid is not None:
-        sync_partial_grads(module, grid=grid)
+        sync_partial_grads(module)
     return y.detach(), x.grad
 
 
@@ -77,7 +79,7 @@ def _check_row(grid, axis, sp: bool, input_is_parallel: bool) -> None:
     close(dx, shard(dx_ref, axis, -1) if input_is_parallel else dx_ref)
     close(layer.weight.grad, shard(dw_ref["weight"], axis, 1))
     close(layer.bias.grad, dw_ref["bias"])  # partial under SP until sync_partial_grads
-    assert layer.sharded_params == ("weight",) and layer.partial_grad_axes == (("tp",) if sp else ())
+    assert layer.sharded_params == ("weight",) and layer.partial_grad_axes == ((axis,) if sp else ())
 
 
 def _check_layer_norm(grid, axis) -> None:
@@ -109,8 +111,9 @@ def _check_embedding(axis, sp: bool) -> None:
     close(layer.weight.grad, shard(serial.weight.grad, axis, 0))
 
 
-def _check_cross_entropy(axis) -> None:
-    logits = _randn(B, N, VOCAB, seed=14)
+def _check_cross_entropy(axis, offset: float = 0.0) -> None:
+    """`offset` = 200: exp() of fp32 logits that large overflows unless the global max is subtracted."""
+    logits = _randn(B, N, VOCAB, seed=14) + offset
     targets = torch.randint(0, VALID, (B, N), generator=torch.Generator().manual_seed(15))
     targets[0, 2] = -100  # ignored token
     serial = CausalLMLoss(VALID)
@@ -135,9 +138,27 @@ def _layer_checks(rank: int, world_size: int) -> None:
             _check_row(grid, axis, sp, input_is_parallel)
         _check_embedding(axis, sp)
     _check_layer_norm(grid, axis)
-    _check_cross_entropy(axis)
+    for offset in (0.0, 200.0):
+        _check_cross_entropy(axis, offset)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parallel_layers_match_serial(world_size, tmp_path):
     run_ranks(_layer_checks, world_size, tmp_path)
+
+
+@pytest.mark.parametrize("offset", [0.0, 200.0, -200.0])
+def test_vocab_cross_entropy_of_large_logits_matches_torch(offset):
+    """One rank, against F.cross_entropy directly: logits of +-200 overflow fp32 exp() without the max shift."""
+    logits = torch.randn(3, 5, VOCAB, generator=torch.Generator().manual_seed(7)) + offset
+    targets = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(8))
+    criterion = VocabParallelCrossEntropy(Grid.serial().axis("tp"), VOCAB)
+    local = logits.clone().requires_grad_(True)
+    loss = criterion(local, targets)
+    loss.backward()
+    full = logits.clone().requires_grad_(True)
+    ref = F.cross_entropy(full.flatten(0, 1), targets.flatten())
+    ref.backward()
+    assert torch.isfinite(loss)
+    close(loss, ref)
+    close(local.grad, full.grad)

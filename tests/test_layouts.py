@@ -11,7 +11,10 @@ import sys
 
 import pytest
 
+from distributed.collectives import ring_bytes
 from tests.conftest import ROOT, read_scalars, run_entry
+from utils.config import load_config
+from utils.tasks import build_task
 
 STEPS = 10
 COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
@@ -53,14 +56,23 @@ def vit_reference(tmp_path_factory, era5_root):
     return curves(run_layout(tmp, "single", VIT, f"data.root={era5_root}")), tmp
 
 
+def dp2_bytes_per_step(*overrides: str) -> int:
+    """What a dp=2 rank sends per step: the ring all-reduce of every fp32 gradient once (none for the
+    micro-batches before the last) and of the fp32 loss for the logged mean."""
+    cfg, _, _ = load_config([*VIT, *overrides])
+    params = sum(p.numel() for p in build_task(cfg, load_data=False).build_model().parameters())
+    return ring_bytes("all_reduce", 4 * params, 2) + ring_bytes("all_reduce", 4, 2)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5_root):
     reference, tmp = vit_reference
     run_dir = run_layout(tmp, layout, VIT, f"data.root={era5_root}", *LAYOUTS[layout])
     assert_same_curve(reference, curves(run_dir))
     scalars = read_scalars(run_dir)
-    if "dp2" in layout:
-        assert "comm/dp_bytes" in scalars
+    if layout.startswith("dp2"):  # complete and exact: a dp all-reduce per micro-batch would double it
+        want = dp2_bytes_per_step(f"data.root={era5_root}")
+        assert [v for _, v in scalars["comm/dp_bytes"]] == [want] * STEPS
     if "tp2" in layout:
         assert scalars["comm/tp_bytes"][0][1] > 0
 

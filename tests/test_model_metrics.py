@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from networks.vit import ViT, ViTConfig
+from utils.config import load_config
 from utils.errors import ConfigError
 from utils.metrics import RelativeL2Loss, weighted_rmse
 
@@ -26,8 +27,8 @@ def test_vit_base_size_matches_the_seed():
 def test_bad_model_settings():
     with pytest.raises(ConfigError, match="num_heads"):
         ViTConfig(embed_dim=30, num_heads=4)
-    with pytest.raises(ConfigError) as info:
-        ViT(ViTConfig(patch_size=8), (20, 32), 3, 3)
+    with pytest.raises(ConfigError) as info:  # a rule between two groups: checked by the Config schema
+        load_config(["model.patch_size=8", "data.img_size=[20,32]"])
     assert info.value.setting == "data.img_size"
 
 

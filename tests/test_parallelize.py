@@ -23,12 +23,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.data_parallel import partial_grad_params, sync_partial_grads
-from distributed.layers import TensorParallelLayer
-from distributed.parallelize import check_heads, parallelize
+from distributed.grad_norm import grad_norm
+from distributed.tensor.layers import TensorParallelLayer
+from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
 from tests.dist_utils import run_ranks
 from utils.comm import Grid, ParallelConfig, init_grid
+from utils.config import load_config
 from utils.errors import ConfigError
 
 BATCH, IMG, CHANNELS, DEPTH, EMBED = 2, (16, 32), 3, 2, 32
@@ -72,6 +74,17 @@ def _compare_grads(serial: nn.Module, parallel: nn.Module, axis) -> None:
         torch.testing.assert_close(grad, serial_params[name].grad, msg=lambda m: f"{name}: {m}")
 
 
+def _check_grad_norm(serial: nn.Module, parallel: nn.Module, grid: Grid) -> None:
+    """The parallel model's global grad norm is the serial one (replicated weights counted once, shards
+    summed over tp, a tied weight once), from one counted fp32 all-reduce of the sharded squares."""
+    want = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in serial.parameters()]))
+    torch.testing.assert_close(grad_norm(serial, grid=Grid.serial()), want)
+    axis = grid.axis("tp")
+    before = axis.bytes_moved
+    torch.testing.assert_close(grad_norm(parallel, grid=grid), want)
+    assert axis.bytes_moved - before == 2 * (axis.size - 1) * 4 // axis.size
+
+
 def _check_vit(grid: Grid, sp: bool) -> None:
     axis, t = grid.axis("tp"), grid.size("tp")
     serial = build_vit()
@@ -91,17 +104,21 @@ def _check_vit(grid: Grid, sp: bool) -> None:
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(x_par.grad, x_ref.grad)
     _compare_grads(serial, parallel, axis)
+    _check_grad_norm(serial, parallel, grid)
     _check_memory(serial, parallel, t)
 
 
 def _check_partial_sync(parallel: nn.Module, grid: Grid, sp: bool) -> None:
     """Under SP: 2 norms per block + final norm (weight, bias) and 2 row biases per block, summed."""
     axis, t = grid.axis("tp"), grid.size("tp")
-    params = partial_grad_params(parallel).get("tp", [])
+    declared = partial_grad_params(parallel)
+    assert set(declared) == ({"tp"} if sp else set())
+    params = declared["tp"][1] if sp else []
+    assert not sp or declared["tp"][0] is axis  # the grid's own AxisGroup object, not a name
     want_numel = (2 * DEPTH + 1) * 2 * EMBED + 2 * DEPTH * EMBED if sp else 0
     assert sum(p.numel() for p in params) == want_numel
     before = axis.bytes_moved
-    sync_partial_grads(parallel, grid=grid)
+    sync_partial_grads(parallel)
     assert axis.bytes_moved - before == 2 * (t - 1) * want_numel * 8 // t
 
 
@@ -127,15 +144,16 @@ def _check_gpt(grid: Grid, sp: bool) -> None:
     loss_ref.backward()
     loss = parallel.loss(idx, targets)
     loss.backward()
-    sync_partial_grads(parallel, grid=grid)
+    sync_partial_grads(parallel)
     torch.testing.assert_close(loss, loss_ref)
     _compare_grads(serial, parallel, axis)
+    _check_grad_norm(serial, parallel, grid)
 
 
 def _check_bad_heads(grid: Grid) -> None:
     model = build_vit(num_heads=2)  # 2 heads over tp=4
     before = repr(model)
-    with pytest.raises(ConfigError, match=r"model\.num_heads.*parallel\.tp"):
+    with pytest.raises(AssertionError, match="heads"):  # a user setting is refused earlier, by Config
         parallelize(model, grid=grid, sequence_parallel=True)
     assert repr(model) == before  # untouched
 
@@ -162,7 +180,8 @@ def test_tp1_returns_model_unchanged():
 
 
 def test_heads_must_divide_tp():
-    check_heads(build_vit(num_heads=4), 2)
+    load_config(["parallel.tp=2"])  # vit_tiny: 4 heads
     with pytest.raises(ConfigError) as err:
-        check_heads(build_vit(num_heads=4), 3)
+        load_config(["parallel.tp=3"])
     assert "model.num_heads=4" in str(err.value) and "parallel.tp=3" in str(err.value)
+    assert err.value.setting == "parallel.tp"

@@ -9,6 +9,7 @@ import torch
 from tests.dist_utils import run_ranks
 from utils.build import build_run
 from utils.config import load_config
+from utils.comm import ParallelConfig, init_grid
 from utils.precision import GridGradScaler
 
 
@@ -62,7 +63,8 @@ def _scaler_rank(rank, world_size):
     """Rank 1 alone sees an inf gradient: both ranks must skip the step and back off the scale."""
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)
-    scaler = GridGradScaler("cpu", init_scale=1024.0)
+    world = init_grid(ParallelConfig()).world  # dp=2: every rank
+    scaler = GridGradScaler("cpu", axis=world, init_scale=1024.0)
     scaler.scale((weight * (float("inf") if rank == 1 else 1.0)).sum()).backward()
     scaler.unscale_(optimizer)
     scaler.step(optimizer)

@@ -6,6 +6,7 @@ import pytest
 
 from tests.conftest import run_entry
 from utils.checkpoint import Checkpointer
+from utils.comm import Grid
 from utils.config import load_config
 from utils.errors import ConfigError
 from utils.runs import check_resumable, differences, run_dir_for
@@ -39,8 +40,8 @@ def test_resume_refuses_other_settings(tmp_path):
 
 
 def test_checkpoint_of_another_layout_is_refused(tmp_path):
-    Checkpointer(tmp_path, 0, layout="world=2 tp=2 cp=1 dp=1 pp=1 order=tp-cp-dp-pp").save(3, {"step": 3})
-    other = Checkpointer(tmp_path, 0, layout="world=2 tp=1 cp=1 dp=2 pp=1 order=tp-cp-dp-pp")
+    Checkpointer(tmp_path, Grid.serial().world, layout="world=2 tp=2 cp=1 dp=1 pp=1 order=tp-cp-dp-pp").save(3, {"step": 3})
+    other = Checkpointer(tmp_path, Grid.serial().world, layout="world=2 tp=1 cp=1 dp=2 pp=1 order=tp-cp-dp-pp")
     with pytest.raises(ConfigError, match="layout"):
         other.load(other.latest())
 

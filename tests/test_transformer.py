@@ -6,7 +6,11 @@ from torch import nn
 
 from networks.blocks import Block, SequenceRegion
 from networks.transformer import GPT, CausalLMLoss, GPTConfig, check_seq_len, padded_vocab_size
+from utils.comm import Grid
 from utils.errors import ConfigError
+from utils.generate import greedy_decode
+
+SERIAL_TP = Grid.serial().axis("tp")
 
 VOCAB = 100
 
@@ -118,10 +122,23 @@ def test_generate_never_emits_padding():
         model.lm_head.weight[VOCAB:] = 1.0
         assert model(tokens())[..., VOCAB:].min() > model(tokens())[..., :VOCAB].max()
     model.train()
-    out = model.generate(tokens(seq=10), max_new_tokens=12)  # 22 > max_positions: context is cropped
+    out = greedy_decode(model, tokens(seq=10), 12, tp=SERIAL_TP)  # 22 > max_positions: context is cropped
     assert out.shape == (2, 22) and model.training
     assert int(out.max()) < VOCAB
     torch.testing.assert_close(out[:, :10], tokens(seq=10))
+
+
+@pytest.mark.parametrize("prompt,new", [(5, 6), (10, 12)])
+def test_greedy_decode_equals_unpadded_decoding(prompt, new):
+    """The fixed-width, right-padded window gives the tokens of decoding on the bare (cropped) context."""
+    model = build(seed=5).eval()
+    out = greedy_decode(model, tokens(seq=prompt), new, tp=SERIAL_TP)
+    ref = tokens(seq=prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            logits = model(ref[:, -model.cfg.max_positions:])[:, -1, :VOCAB]
+            ref = torch.cat((ref, logits.argmax(dim=-1, keepdim=True)), dim=1)
+    assert torch.equal(out, ref)
 
 
 def test_padded_vocab_size():

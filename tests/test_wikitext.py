@@ -10,10 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from utils import corpus
-from utils import wikitext as wt
+from utils.data import cache as data_cache
+from utils.data import corpus
+from utils.data import wikitext as wt
 from utils.errors import ConfigError
-from utils.wikitext import LMBlockDataset, WikiTextConfig, load_wikitext, unigram_perplexity
+from utils.data.wikitext import LMBlockDataset, WikiTextConfig, load_wikitext, unigram_perplexity
 
 TRAIN = [" ", " = Valid Heading = ", " ", " the cat sat on the mat . ", " ", " the dog sat on a <unk> . ",
          " = = Section = = ", " a cat and a dog , 1 @,@ 200 in all . "] * 4
@@ -120,13 +121,13 @@ def test_changed_file_or_settings_build_new_caches(tmp_path):
 
 def test_read_only_data_folder_uses_cache_dir(tmp_path, monkeypatch):
     data_dir, cache = write_text(tmp_path / "data"), tmp_path / "cache"
-    real = wt.tempfile.mkstemp
+    real = data_cache.tempfile.mkstemp
 
     def mkstemp(dir, **kwargs):
         if Path(dir) == data_dir:
             raise PermissionError(13, "read-only", str(dir))
         return real(dir=dir, **kwargs)
-    monkeypatch.setattr(wt.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(data_cache.tempfile, "mkstemp", mkstemp)
     data = load(data_dir, cache_dir=str(cache))
     assert not list(data_dir.glob("*.npy")) and len(list(cache.rglob("*.npy"))) == 3
     assert data.tokenizer.vocab_size > 2
@@ -248,6 +249,6 @@ def test_cache_race_keeps_the_first_file(tmp_path):
     def racing(tmp: Path):
         (tmp_path / "c.json").write_text("first")
         tmp.write_text("second")
-    assert wt.cached("c.json", [tmp_path], racing).read_text() == "first"
+    assert data_cache.cached("c.json", [tmp_path], racing).read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".lock") == ["c.json"]  # no temp files left
-    assert wt.cached("c.json", [tmp_path], lambda tmp: pytest.fail("rebuilt")).read_text() == "first"
+    assert data_cache.cached("c.json", [tmp_path], lambda tmp: pytest.fail("rebuilt")).read_text() == "first"

@@ -1,6 +1,6 @@
 """Benchmark the real train step: `python -m utils.bench model=vit_base precision=bf16 precision.compile=true`.
 
-Builds the model, optimizer and precision setup exactly as train.py does (any layout under torchrun),
+Builds the trainer with `utils.build.build_trainer`, the setup train.py uses (any layout under torchrun),
 feeds random batches of the training shapes (no data files needed), runs `--warmup` steps, times
 `--steps` steps of Trainer.train_step and prints one markdown table row: samples/s, tokens/s,
 TFLOP/s per device, MFU, peak memory, with device and date.
@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
+from utils.build import build_trainer
+from utils.comm import Axis, destroy_grid, init_grid
+from utils.config import load_config
 from utils.errors import ConfigError, exit_bad_input
+from utils.flops import device_name
+from utils.tasks import build_task
+from utils.trainer import peak_memory_gib
 
 HEADER = ("| date | device | model | precision | compile | layout | global batch | samples/s | tokens/s "
           "| TFLOP/s per device | MFU | peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -43,47 +49,36 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(argv: list[str]) -> str:
-    from utils.build import build_model
-    from utils.runs import layout_name
-    from utils.comm import Axis, init_grid
-    from utils.config import load_config
-    from utils.flops import device_name, mfu
-    from utils.optim import build_optimizer, build_scheduler
-    from utils.precision import configure_matmul, grad_scaler
-    from utils.tasks import build_task
-    from utils.trainer import Trainer, peak_memory_gib
+def time_steps(trainer, warmup: int, steps: int) -> float:
+    """Seconds per Trainer.train_step on a random batch of the training shapes, after `warmup` steps."""
+    grid = trainer.grid
+    x, y = trainer.task.example_batch(trainer.tc.global_batch_size // grid.size(Axis.DP), grid.device)
+    for _ in range(warmup):
+        trainer.train_step(x, y)
+    synchronize(grid.device)
+    if grid.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(grid.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(x, y)
+    synchronize(grid.device)
+    return (time.perf_counter() - start) / steps
 
+
+def run(argv: list[str]) -> str:
     warmup, steps, argv = parse_counts(argv)
     cfg, choices, _ = load_config(argv)
     grid = init_grid(cfg.parallel)
     task = build_task(cfg, load_data=False)
-    configure_matmul(cfg.precision.mode)
-    built = build_model(cfg, task, grid)
-    optimizer = build_optimizer(cfg.optim, built.raw.parameters(), grid.device)
-    scheduler = build_scheduler(cfg.optim, optimizer, warmup + steps)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer,
-                          scheduler=scheduler, scaler=grad_scaler(cfg.precision.mode, grid.device), loaders=None,
-                          run_dir=Path(tmp), log=logging.getLogger("dlscale"))
-        batch = cfg.trainer.global_batch_size
-        x, y = task.example_batch(batch // grid.size(Axis.DP), grid.device)
-        for _ in range(warmup):
-            trainer.train_step(x, y)
-        synchronize(grid.device)
-        if grid.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(grid.device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step(x, y)
-        synchronize(grid.device)
-        seconds = (time.perf_counter() - start) / steps
-        trainer.tb.close()
-    tflops = trainer.flops_per_sample * batch / seconds / grid.world_size / 1e12
-    utilization = mfu(tflops, grid.device, cfg.precision.mode)
+        trainer = build_trainer(cfg, task, grid, logging.getLogger("dlscale"), Path(tmp))
+        seconds = time_steps(trainer, warmup, steps)
+    perf = trainer.throughput(seconds)
+    utilization = perf.get("perf/mfu")
     return (f"| {datetime.date.today()} | {device_name(grid.device)} | {choices['model']} | {cfg.precision.mode} "
-            f"| {cfg.precision.compile} | {layout_name(grid.sizes, grid.order)} | {batch} | {batch / seconds:.1f} "
-            f"| {batch * task.tokens_per_sample() / seconds:.0f} | {tflops:.1f} "
+            f"| {cfg.precision.compile} | {grid.name} | {cfg.trainer.global_batch_size} "
+            f"| {perf['perf/samples_per_sec']:.1f} | {perf['perf/tokens_per_sec']:.0f} "
+            f"| {perf['perf/tflops_per_sec']:.1f} "
             f"| {'n/a' if utilization is None else f'{100 * utilization:.1f}%'} | {peak_memory_gib(grid.device):.2f} |")
 
 
@@ -92,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         row = run(sys.argv[1:] if argv is None else list(argv))
     except ConfigError as err:
         exit_bad_input(err)
+    finally:
+        destroy_grid()
     print(HEADER)
     print(row, flush=True)
     return 0

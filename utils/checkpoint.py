@@ -15,8 +15,9 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from distributed.collectives import barrier
+from utils.comm import AxisGroup
 from utils.errors import ConfigError
 
 
@@ -35,18 +36,15 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 class Checkpointer:
     """Saves and finds checkpoints of one run directory for this rank."""
 
-    def __init__(self, run_dir: Path, rank: int, keep: int = 2, layout: str | None = None):
-        """`layout`: the grid's description; recorded with each checkpoint and required to match on load
+    def __init__(self, run_dir: Path, world: AxisGroup, keep: int = 2, layout: str | None = None):
+        """`world`: every rank of the job (this rank's file is rank_<world.rank>.pt; saves wait for all).
+        `layout`: the grid's signature; recorded with each checkpoint and required to match on load
         (rank files hold shards: another layout or rank order would load the wrong ones)."""
-        self.dir, self.rank, self.keep, self.layout = Path(run_dir) / "checkpoints", rank, keep, layout
+        self.dir, self.world, self.keep, self.layout = Path(run_dir) / "checkpoints", world, keep, layout
+        self.rank = world.rank
 
     def step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:07d}"
@@ -65,9 +63,9 @@ class Checkpointer:
             tmp.mkdir(parents=True)
             if self.layout:
                 (tmp / "layout.txt").write_text(self.layout)
-        _barrier()
+        barrier(self.world)
         torch.save(state, tmp / f"rank_{self.rank:05d}.pt")
-        _barrier()
+        barrier(self.world)
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
@@ -75,7 +73,7 @@ class Checkpointer:
             pointer_tmp.write_text(final.name)
             os.replace(pointer_tmp, self.dir / "latest")
             self._prune(final)
-        _barrier()
+        barrier(self.world)
         return final
 
     def _prune(self, newest: Path) -> None:

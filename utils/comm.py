@@ -17,12 +17,15 @@ import datetime
 import enum
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from utils.errors import ConfigError, require
+from utils.launch import LaunchEnv, launch_env, pick_device
 
 
 class Axis(str, enum.Enum):
@@ -36,7 +39,7 @@ class Axis(str, enum.Enum):
 
 AXES = tuple(Axis)
 # Every group any layer may use, created eagerly by init_grid (later creation on some ranks only would hang).
-GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), (Axis.DP,), (Axis.PP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP))
+GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), (Axis.DP,), (Axis.PP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP), AXES)
 
 
 @dataclass
@@ -98,42 +101,13 @@ def rank_layout(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> dict[Axis, l
     return layout
 
 
-@torch.library.custom_op("dlscale::add_bytes", mutates_args=())
-def _add_bytes(counter: torch.Tensor, num_bytes: int) -> None:
-    """counter += num_bytes (the byte counter of an AxisGroup; see there why no mutation is declared)."""
-    counter.data.add_(num_bytes)  # .data: leaves the version counter alone (see AxisGroup)
-
-
-@_add_bytes.register_fake
-def _(counter: torch.Tensor, num_bytes: int) -> None:
-    return None
-
-
-# An ORDERED effect threads the op through effect tokens: never dead-code-eliminated nor reordered, and
-# the copy traced in an autograd.Function's backward runs in the compiled backward graph. The hook is
-# private torch API (present in 2.13); without it eager counting is unchanged and compiled graphs may
-# drop the op, undercounting comm/<axis>_bytes under precision.compile=true.
-try:
-    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
-
-    _register_effectful_op(torch.ops.dlscale.add_bytes.default, _EffectType.ORDERED)
-except ImportError:  # pragma: no cover - older or newer torch without the hook
-    pass
-
-
 @dataclass
 class AxisGroup:
     """One rank's view of an axis (or a product of axes): size, rank, process group, byte counter.
 
-    The counter is an int64 scalar tensor on the CPU, raised by the `dlscale::add_bytes` custom op in
-    eager code and inside torch.compile graphs alike (forward and compiled backward), so compiled
-    blocks are counted as eager ones are. The op declares no mutation on purpose: AOTAutograd would
-    functionalize a declared one and compute a backward's increment from the counter value saved at
-    forward time, then copy it back, losing what other blocks added in between. Compiled graphs save
-    the counter for backward (with a version check under activation checkpointing), so every write
-    goes through `.data` and leaves its version unchanged. Kept on the CPU (not the device) so
-    counting never syncs the device nor launches a kernel, and inductor's CUDA graphs, which would
-    replay on a copy of the input, skip graphs that take a CPU tensor.
+    Layers, collectives and the trainer receive AxisGroups, never axis names. `counter` holds the bytes
+    this rank sent over the group; `distributed.counting.record` raises it (in eager code and inside
+    compiled graphs; see there why it is an int64 CPU tensor changed through `.data`).
     """
 
     name: str
@@ -141,21 +115,17 @@ class AxisGroup:
     rank: int
     group: dist.ProcessGroup | None = None
     ranks: list[int] = field(default_factory=list)  # global ranks in this rank's group
-    _counter: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
-                                   init=False, repr=False, compare=False)
+    counter: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64),
+                                  repr=False, compare=False)
 
     @property
     def bytes_moved(self) -> int:
         """Bytes this rank sent over the group since the last reset (ring algorithm volume)."""
-        return int(self._counter)
+        return int(self.counter)
 
     @bytes_moved.setter
     def bytes_moved(self, value: int) -> None:
-        self._counter.data.fill_(value)  # in place (compiled graphs hold this tensor), version unchanged
-
-    def record(self, num_bytes: int) -> None:
-        """Add `num_bytes` (an int, or a SymInt under dynamic shapes) to the counter; traceable."""
-        _add_bytes(self._counter, num_bytes)
+        self.counter.data.fill_(value)  # in place (compiled graphs hold this tensor), version unchanged
 
 
 class Grid:
@@ -182,11 +152,8 @@ class Grid:
     def rank(self, axis: Axis | str) -> int:
         return self.axis(axis).rank
 
-    def group(self, *axes: Axis | str) -> dist.ProcessGroup | None:
-        return self.axis(*axes).group
-
     def axis(self, *axes: Axis | str) -> AxisGroup:
-        """The AxisGroup of one axis or of the product of several (e.g. grid.axis('dp', 'cp')).
+        """The AxisGroup of one axis or of the product of several (e.g. grid.axis(Axis.DP, Axis.CP)).
 
         Groups are created on first use; init_grid uses every combination the code needs up front,
         because creating a process group is a collective call.
@@ -198,6 +165,11 @@ class Grid:
             self._axes[name] = self._build_axis(keys, name)
         return self._axes[name]
 
+    @property
+    def world(self) -> AxisGroup:
+        """Every rank of the job, as an axis (named by its non-trivial axes, e.g. 'tp_dp')."""
+        return self.axis(*AXES)
+
     def _build_axis(self, keys: tuple[Axis, ...], name: str) -> AxisGroup:
         size = math.prod(self.sizes[a] for a in keys)
         ranks = self._group_ranks(keys)
@@ -206,8 +178,12 @@ class Grid:
             assert self.mesh is not None, "a multi-rank axis needs an initialized mesh"
             assert not self.frozen, f"group {name} was not created at start (add it to GROUPS_BUILT_AT_START)"
             mesh_names = [a.value for a in sorted(keys, key=lambda a: -self.order.index(a))]
-            sub = self.mesh[tuple(mesh_names)] if len(mesh_names) > 1 else self.mesh[mesh_names[0]]
-            group = sub._flatten(name).get_group() if len(mesh_names) > 1 else sub.get_group()
+            if len(mesh_names) == 1:
+                group = self.mesh[mesh_names[0]].get_group()
+            elif size == self.world_size:
+                group = dist.group.WORLD  # every rank, in global-rank order: no new group needed
+            else:
+                group = self.mesh[tuple(mesh_names)]._flatten(name).get_group()
         return AxisGroup(name, size, ranks.index(self.global_rank), group, ranks)
 
     def _group_ranks(self, keys: tuple[Axis, ...]) -> list[int]:
@@ -230,59 +206,45 @@ class Grid:
     def is_main(self) -> bool:
         return self.global_rank == 0
 
-    def describe(self) -> str:
-        """Human-readable layout: the groups of each axis."""
+    @property
+    def name(self) -> str:
+        """Short name for run directories: 'single' or e.g. 'tp2-dp2' (axes of size > 1, in grid order)."""
+        return layout_name(self.sizes, self.order)
+
+    @property
+    def signature(self) -> str:
+        """The layout's identity (world size, every axis size, the order), stable across releases:
+        checkpoints record it and refuse to load under another one."""
         sizes = " ".join(f"{a.value}={self.sizes[a]}" for a in self.order)
-        lines = [f"world={self.world_size} {sizes} order={'-'.join(a.value for a in self.order)}"]
+        return f"world={self.world_size} {sizes} order={'-'.join(a.value for a in self.order)}"
+
+    def describe(self) -> str:
+        """Human-readable layout: the signature, then the groups of each axis."""
+        lines = [self.signature]
         for axis in self.order:
             lines.append(f"  {axis.value} groups: {self.layout[axis]}")
         return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Rank, world size and local rank as given by the launcher."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    source: str = "single"
-
-
-def launch_env(environ=os.environ) -> LaunchEnv:
-    """Read torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/NTASKS/LOCALID) variables."""
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        return LaunchEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)), "torchrun")
-    if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
-        for var in ("MASTER_ADDR", "MASTER_PORT"):
-            require(var in environ, f"{var} is not set under Slurm", var,
-                    "export MASTER_ADDR=$(scontrol show hostnames $SLURM_NODELIST | head -n1) and MASTER_PORT=29500")
-        return LaunchEnv(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]),
-                         int(environ.get("SLURM_LOCALID", 0)), "slurm")
-    return LaunchEnv()
-
-
-def pick_device(local_rank: int) -> torch.device:
-    """This rank's GPU (one per local rank), or the CPU when CUDA is not available."""
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        require(local_rank < count, f"local rank {local_rank} has no GPU of its own ({count} visible)",
-                "launch", f"start at most {count} ranks per node (one per GPU)")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def layout_name(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> str:
+    """'single' or e.g. 'tp2-dp2' (axes of size > 1, in grid order)."""
+    return "-".join(f"{a.value}{sizes[a]}" for a in order if sizes[a] > 1) or "single"
 
 
 def check_grid(cfg: ParallelConfig, env: LaunchEnv | None = None) -> dict[Axis, int]:
-    """Validate the grid against the launch environment without initializing anything."""
+    """The axis sizes for the launch environment, validated without initializing anything."""
     env = env or launch_env()
     return resolve_sizes(cfg, env.world_size)
 
 
-def init_grid(cfg: ParallelConfig) -> Grid:
-    """Initialize torch.distributed (when there is more than one rank) and build the grid."""
+def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid:
+    """Initialize torch.distributed (when there is more than one rank) and build the grid.
+
+    `sizes`: the axis sizes `check_grid` resolved for this launch (resolved here when not given).
+    """
     env = launch_env()
-    sizes = resolve_sizes(cfg, env.world_size)
+    sizes = sizes or resolve_sizes(cfg, env.world_size)
+    assert math.prod(sizes.values()) == env.world_size, f"sizes {sizes} do not fit world size {env.world_size}"
     order = parse_order(cfg.order)
     device = pick_device(env.local_rank)
     if env.world_size == 1:
@@ -299,18 +261,15 @@ def init_grid(cfg: ParallelConfig) -> Grid:
             raise ConfigError(f"not all {env.world_size} ranks joined within {cfg.init_timeout_s} s ({err})",
                               "parallel.init_timeout_s",
                               "check the other ranks' output: a rank that fails its checks exits before joining") from None
-    mesh = build_mesh(sizes, order, device)
-    grid = Grid(sizes, order, env.rank, device, mesh)
+    grid = Grid(sizes, order, env.rank, device, build_mesh(sizes, order, device))
     for axes in GROUPS_BUILT_AT_START:
         grid.axis(*axes)  # creating a group is collective: every rank, same order, at start
     grid.frozen = True
     return grid
 
 
-def build_mesh(sizes: dict[Axis, int], order: tuple[Axis, ...], device: torch.device):
+def build_mesh(sizes: dict[Axis, int], order: tuple[Axis, ...], device: torch.device) -> DeviceMesh:
     """A DeviceMesh whose dims run slowest-first (reverse of `order`), named by axis."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     dims = list(reversed(order))
     return init_device_mesh(device.type, tuple(sizes[a] for a in dims), mesh_dim_names=tuple(a.value for a in dims))
 
@@ -322,8 +281,6 @@ def destroy_grid() -> None:
 
 def layout_main(argv: list[str] | None = None) -> int:
     """`python -m utils.comm tp=4 dp=2 order=tp-dp`: print the rank groups without launching anything."""
-    import sys
-
     args = dict(a.split("=", 1) for a in (argv if argv is not None else sys.argv[1:]))
     try:
         cfg = ParallelConfig(**{k: (v if k == "order" else int(v)) for k, v in args.items() if k != "world"})

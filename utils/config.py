@@ -18,15 +18,15 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from networks.transformer import GPTConfig
+from networks.transformer import GPTConfig, check_seq_len
 from networks.vit import ViTConfig
 from utils.comm import ParallelConfig
-from utils.era5 import ERA5Config
-from utils.errors import ConfigError
+from utils.data.era5 import ERA5Config
+from utils.data.wikitext import WikiTextConfig
+from utils.errors import ConfigError, require
 from utils.optim import OptimConfig
 from utils.precision import PrecisionConfig
 from utils.trainer import TrainerConfig
-from utils.wikitext import WikiTextConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")
@@ -43,7 +43,8 @@ class RunConfig:
 
 @dataclass
 class Config:
-    """The whole configuration of a run."""
+    """The whole configuration of a run. Each group validates its own fields; the rules that tie two
+    groups together are checked here, once, when the config is converted."""
 
     model: Any = MISSING  # ViTConfig or GPTConfig (config/model/)
     data: Any = MISSING  # ERA5Config or WikiTextConfig (config/data/)
@@ -52,6 +53,23 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        model, data, tp = self.model, self.data, self.parallel.tp
+        if isinstance(data, ERA5Config):
+            require(isinstance(model, ViTConfig), "the ERA5 data needs a ViT model", "model",
+                    "use model=vit_tiny, vit_base or vit_large with data=era5*")
+            p = model.patch_size
+            require(data.img_size[0] % p == 0 and data.img_size[1] % p == 0,
+                    f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
+                    f"choose a crop whose sides are multiples of model.patch_size={p}")
+        if isinstance(data, WikiTextConfig):
+            require(isinstance(model, GPTConfig), "the WikiText data needs a GPT model", "model",
+                    "use model=gpt_tiny, gpt_small or gpt_medium with data=wikitext*")
+            check_seq_len(model, data.seq_len)
+        require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
+                "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
+                "multiple of parallel.tp")
 
 
 def register_schemas() -> None:

@@ -1,9 +1,9 @@
 """Peak FLOP rates of known accelerators and model FLOP utilization (MFU).
 
 MFU = achieved training FLOPs per second / the device's dense peak for the compute precision.
-Training FLOPs come from each task's FLOP model (utils/tasks.py), not from a profiler, so MFU
-compares layouts and precisions on equal terms (recomputation from activation checkpointing is
-not counted as useful work).
+Training FLOPs come from a FLOP model of the transformer (`training_flops_per_sample`), not from a
+profiler, so MFU compares layouts and precisions on equal terms (recomputation from activation
+checkpointing is not counted as useful work).
 """
 
 from __future__ import annotations
@@ -17,6 +17,21 @@ PEAK_TFLOPS = {
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9},
     "GH200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 66.9},
 }
+
+
+def training_flops_per_sample(tokens: int, matmul_params: int, depth: int, width: int) -> float:
+    """Training FLOPs (forward + backward) of one sample of `tokens` tokens: S*(6*N_mm + 12*L*D*S).
+
+    6 N_mm per token for the matrix multiplies of N_mm weights (2 forward, 4 backward) plus 12 L D S per
+    token for the attention scores and values of L layers of width D, counted as non-causal (the usual
+    convention for the language model too). The ViT's S is its patch count.
+    """
+    return tokens * (6 * matmul_params + 12 * depth * width * tokens)
+
+
+def tflops_per_device(flops_per_sample: float, samples: int, seconds: float, num_devices: int) -> float:
+    """Achieved training TFLOP/s of one device when `num_devices` process `samples` in `seconds`."""
+    return flops_per_sample * samples / seconds / num_devices / 1e12
 
 
 def device_name(device: torch.device) -> str:

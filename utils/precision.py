@@ -6,8 +6,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from distributed.collectives import all_reduce_
+from utils.comm import AxisGroup
 from utils.errors import require
 
 MODES = ("fp32", "tf32", "bf16", "fp16")
@@ -47,26 +48,30 @@ def autocast(mode: str, device: torch.device):
 
 
 class GridGradScaler(torch.amp.GradScaler):
-    """A loss scaler whose inf/NaN verdict every rank agrees on.
+    """A loss scaler whose inf/NaN verdict every rank of `axis` agrees on.
 
     Under tensor (or pipeline) parallelism each rank unscales different gradient shards, so one rank
     can find an inf that another does not; stepping on some ranks and skipping on others would split
-    the replicas for good. After the local unscale, the found-inf flags are max-reduced over all ranks
-    (as Megatron does over its model-parallel group), so a skipped step is skipped everywhere and every
-    rank's scale evolves identically.
+    the replicas for good. After the local unscale, the found-inf flags are max-reduced over `axis`,
+    every rank of the job (as Megatron does over its model-parallel group), so a skipped step is
+    skipped everywhere and every rank's scale evolves identically.
     """
+
+    def __init__(self, device: str, *, axis: AxisGroup, **kwargs):
+        super().__init__(device, **kwargs)
+        self.axis = axis
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
-        if not self.is_enabled() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if not self.is_enabled() or self.axis.size == 1:
             return
         flags = list(self._found_inf_per_device(optimizer).values())  # torch keeps them per device
         verdict = torch.stack(flags).amax() if flags else torch.zeros((), device=self._scale.device)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        all_reduce_(verdict, self.axis, "max")
         for flag in flags:
             flag.copy_(verdict)
 
 
-def grad_scaler(mode: str, device: torch.device) -> GridGradScaler:
-    """A loss scaler, enabled for fp16 only (bf16 has fp32's range)."""
-    return GridGradScaler(device.type, enabled=mode == "fp16")
+def grad_scaler(mode: str, device: torch.device, axis: AxisGroup) -> GridGradScaler:
+    """A loss scaler over the ranks of `axis`, enabled for fp16 only (bf16 has fp32's range)."""
+    return GridGradScaler(device.type, axis=axis, enabled=mode == "fp16")

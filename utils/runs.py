@@ -14,18 +14,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from utils.comm import Axis
+from utils.config import compose_config
 from utils.errors import ConfigError
 
 # Settings a run may change between invocations without changing what it trains.
 RESUME_SAFE = ("run.", "trainer.stop_at_step", "trainer.resume", "trainer.log_every", "trainer.val_every",
                "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.num_workers", "parallel.init_timeout_s",
                "data.root", "data.cache_dir")
-
-
-def layout_name(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> str:
-    """'single' or e.g. 'tp2-dp2' (axes of size > 1, in grid order)."""
-    return "-".join(f"{a.value}{sizes[a]}" for a in order if sizes[a] > 1) or "single"
 
 
 def _flat(config_yaml: str) -> dict[str, object]:
@@ -48,8 +43,6 @@ def differences(old_yaml: str, new_yaml: str) -> list[str]:
 
 def override_digest(config_yaml: str, choices: dict[str, str]) -> str:
     """6 hex digits naming the settings that differ from the chosen presets ('' when none do)."""
-    from utils.config import compose_config
-
     presets = compose_config([f"{g}={c}" for g, c in choices.items() if c not in ("None", "null")])
     del presets.hydra
     changed = differences(OmegaConf.to_yaml(presets), config_yaml)

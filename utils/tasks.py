@@ -1,7 +1,8 @@
 """Workloads: what differs between the ERA5 ViT and the WikiText LM, behind one small interface.
 
-A task owns its datasets, builds its (serial) model, knows its FLOPs per sample and runs its own
-validation metrics. The trainer is the same for every task.
+A task owns its datasets, builds its (serial) model, knows its tokens per sample and runs its own
+validation metrics. The trainer is the same for every task. Which model fits which data is a rule of
+the config (utils/config.py), checked before a task is built.
 """
 
 from __future__ import annotations
@@ -11,24 +12,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from distributed.mappings import gather_from_region, split_sizes
-from networks.transformer import GPT, GPTConfig, check_seq_len, padded_vocab_size
+from distributed.collectives import all_reduce_
+from networks.transformer import GPT, GPTConfig, padded_vocab_size
 from networks.vit import ViT, ViTConfig
-from utils.comm import Axis, AxisGroup, Grid
-from utils.era5 import ERA5Config, ERA5Dataset, latitude_weights
-from utils.era5_synthetic import ensure_synthetic
+from utils.comm import Axis, Grid
+from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
+from utils.data.era5_synthetic import ensure_synthetic
+from utils.data.wikitext import WikiTextConfig, load_wikitext
 from utils.errors import require
-from utils.metrics import weighted_sq_error
-from utils.wikitext import WikiTextConfig, load_wikitext
-
-
-def all_reduce_sum(t: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
-    if axis.size > 1:
-        dist.all_reduce(t, group=axis.group)
-    return t
+from utils.generate import greedy_decode
+from utils.metrics import weighted_rmse_per_sample
 
 
 def diverging_image(field: torch.Tensor, vmax: float) -> torch.Tensor:
@@ -49,12 +44,6 @@ class WeatherTask:
         return f"val/loss={metrics['val/loss']:.4g} {first}={metrics[first]:.4g}"
 
     def __init__(self, data: ERA5Config, model_cfg: ViTConfig):
-        require(isinstance(model_cfg, ViTConfig), "the ERA5 data needs a ViT model", "model",
-                "use model=vit_tiny, vit_base or vit_large with data=era5*")
-        p = model_cfg.patch_size
-        require(data.img_size[0] % p == 0 and data.img_size[1] % p == 0,
-                f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
-                f"choose a crop whose sides are multiples of model.patch_size={p}")
         self.cfg, self.model_cfg = data, model_cfg
         self.train_set = self.val_set = None
 
@@ -84,11 +73,6 @@ class WeatherTask:
         h, w = self.cfg.img_size
         return (h // self.model_cfg.patch_size) * (w // self.model_cfg.patch_size)
 
-    def flops_per_sample(self, matmul_params: int) -> float:
-        """Training FLOPs per sample: S*(6*N_mm + 12*L*D*S), S = patches (fwd+bwd, attention included)."""
-        s, m = self.tokens_per_sample(), self.model_cfg
-        return s * (6 * matmul_params + 12 * m.depth * m.embed_dim * s)
-
     @torch.no_grad()
     def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
                  writer, step: int) -> dict[str, float]:
@@ -103,10 +87,10 @@ class WeatherTask:
                 pred = model(x)
             sums[0] += criterion(pred, y).double() * len(x)
             sums[1] += len(x)
-            sums[2:] += weighted_sq_error(pred, y, weights).sqrt().sum(dim=0).double()
+            sums[2:] += weighted_rmse_per_sample(pred, y, weights).sum(dim=0).double()
             if first is None:
                 first = (pred[0, 0].float().cpu(), y[0, 0].float().cpu())
-        all_reduce_sum(sums, dp)
+        all_reduce_(sums, dp)
         count = sums[1].clamp_min(1)
         metrics = {"val/loss": (sums[0] / count).item()}
         metrics.update({f"val/rmse/{c}": (sums[2 + i] / count).item() for i, c in enumerate(self.cfg.channels)})
@@ -119,21 +103,12 @@ class WeatherTask:
         return metrics
 
 
-def full_vocab(logits: torch.Tensor, tp: AxisGroup, padded_vocab: int) -> torch.Tensor:
-    """(B, V_local) vocabulary shards (uneven when tp does not divide V) -> (B, V) on every tp rank.
-    Only for a few positions (generation): training never gathers the vocabulary."""
-    return gather_from_region(logits, tp, -1, split_sizes(padded_vocab, tp.size))
-
-
 class LanguageTask:
     """Next-token prediction on WikiText with the decoder-only Transformer."""
 
     num_prompts, prompt_len, new_tokens = 3, 8, 24
 
     def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig):
-        require(isinstance(model_cfg, GPTConfig), "the WikiText data needs a GPT model", "model",
-                "use model=gpt_tiny, gpt_small or gpt_medium with data=wikitext*")
-        check_seq_len(model_cfg, data.seq_len)
         self.cfg, self.model_cfg = data, model_cfg
         self.train_set = self.val_set = self.corpus = None
         self.unigram_ppl = float("nan")
@@ -168,11 +143,6 @@ class LanguageTask:
     def tokens_per_sample(self) -> int:
         return self.cfg.seq_len
 
-    def flops_per_sample(self, matmul_params: int) -> float:
-        """S*(6*N_mm + 12*L*D*S): 6N per token plus attention counted as non-causal (the usual convention)."""
-        s, m = self.cfg.seq_len, self.model_cfg
-        return s * (6 * matmul_params + 12 * m.depth * m.embed_dim * s)
-
     def summary(self, metrics: dict[str, float]) -> str:
         return f"val/loss={metrics['val/loss']:.4g} val/ppl={metrics['val/ppl']:.4g} (unigram ppl {self.unigram_ppl:.4g})"
 
@@ -186,7 +156,7 @@ class LanguageTask:
             with autocast():
                 sums[0] += criterion(model(x), y).double() * len(x)
             sums[1] += len(x)
-        all_reduce_sum(sums, grid.axis(Axis.DP))
+        all_reduce_(sums, grid.axis(Axis.DP))
         loss = (sums[0] / sums[1].clamp_min(1)).item()
         writer.text("val/samples", self.continuations(model, grid, autocast), step)
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
@@ -198,14 +168,9 @@ class LanguageTask:
         return torch.tensor(np.stack([valid[s:s + self.prompt_len] for s in starts]).astype(np.int64))
 
     def continuations(self, model: nn.Module, grid: Grid, autocast) -> str:
-        """Greedy decoding on a right-padded buffer (causal: padding never changes earlier positions)."""
-        length = self.prompt_len + self.new_tokens
-        buffer = torch.zeros(self.num_prompts, length, dtype=torch.long, device=grid.device)
-        buffer[:, :self.prompt_len] = self.prompts().to(grid.device)
-        for pos in range(self.prompt_len, length):
-            with autocast():
-                logits = full_vocab(model(buffer)[:, pos - 1].float(), grid.axis(Axis.TP), model.padded_vocab)
-            buffer[:, pos] = logits[:, :self.vocab_size].argmax(dim=-1)
+        """Greedy continuations of the fixed prompts, as markdown (prompt in bold)."""
+        prompts = self.prompts().to(grid.device)
+        buffer = greedy_decode(model, prompts, self.new_tokens, tp=grid.axis(Axis.TP), autocast=autocast)
         decode = self.corpus.tokenizer.decode
         return "\n\n".join(f"**{decode(row[:self.prompt_len].tolist())}** {decode(row[self.prompt_len:].tolist())}"
                            for row in buffer.cpu())

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
+from distributed.collectives import mean_over
 from distributed.data_parallel import no_sync, sync_partial_grads
 from distributed.grad_norm import clip_grad_norm
 from utils.checkpoint import Checkpointer, rng_state, set_rng_state
 from utils.comm import Axis, Grid
+from utils.data.batching import Loaders
 from utils.errors import require
-from utils.flops import mfu
+from utils.flops import mfu, tflops_per_device
 from utils.logger import Progress, TensorBoard
 from utils.precision import autocast
 
@@ -57,19 +58,23 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class Trainer:
-    """Runs `max_steps` optimizer steps of a built model on a built task; see utils/build.py."""
+    """Runs `max_steps` optimizer steps of a built model on a built task; see utils/build.py.
 
-    def __init__(self, *, cfg, grid: Grid, task, built, optimizer, scheduler, scaler, loaders,
-                 run_dir, log, checkpointer: Checkpointer | None = None, start_step: int = 0):
+    `loaders` (None until `utils.build.start_run` attaches them) feed `fit`; `train_step` alone needs none.
+    """
+
+    def __init__(self, *, cfg, grid: Grid, task, built, optimizer, scheduler, scaler, run_dir, log,
+                 checkpointer: Checkpointer):
         self.cfg, self.tc, self.grid, self.task = cfg, cfg.trainer, grid, task
         self.model, self.raw_model = built.model, built.raw
-        self.optimizer, self.scheduler, self.scaler, self.loaders = optimizer, scheduler, scaler, loaders
-        self.run_dir, self.log, self.step = run_dir, log, start_step
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.loaders: Loaders | None = None
+        self.run_dir, self.log, self.step = run_dir, log, 0
         self.device = grid.device
         self.autocast = partial(autocast, cfg.precision.mode, self.device)
         self.dp = grid.axis(Axis.DP)
-        self.checkpointer = checkpointer or Checkpointer(run_dir, grid.global_rank, self.tc.ckpt_keep)
-        self.tb = TensorBoard(run_dir, grid.is_main, start_step)
+        self.checkpointer = checkpointer
+        self.tb = TensorBoard(run_dir, grid.is_main)
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
         self.flops_per_sample = built.flops_per_sample
 
@@ -89,6 +94,8 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         set_rng_state(state["rng"])
+        # purge what a crashed run wrote to TensorBoard after this step
+        self.tb = TensorBoard(self.run_dir, self.grid.is_main, self.step)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (global-batch mean loss, global gradient norm); the lr used is `self.current_lr()`."""
@@ -107,11 +114,11 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return self.mean_over_dp(total), grad_norm
+        return mean_over(total, self.dp), grad_norm
 
     def finish_grads(self) -> None:
         """Reduce gradients that are partial sums over model-parallel axes (none without tp/cp)."""
-        sync_partial_grads(self.raw_model, grid=self.grid)
+        sync_partial_grads(self.raw_model)
 
     def clip_grad_norm(self) -> torch.Tensor:
         return clip_grad_norm(self.raw_model, grid=self.grid, max_norm=self.cfg.optim.grad_clip)
@@ -119,13 +126,6 @@ class Trainer:
     def current_lr(self) -> float:
         """The learning rate the next optimizer step uses."""
         return self.optimizer.param_groups[0]["lr"]
-
-    def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        if self.dp.size > 1:
-            value = value.clone()
-            dist.all_reduce(value, group=self.dp.group)
-            value /= self.dp.size
-        return value
 
     def fit(self) -> None:
         if self.step >= self.tc.max_steps:
@@ -155,19 +155,24 @@ class Trainer:
     def log_step(self, loss: float, grad_norm: float, lr: float, t0: float, t1: float, t2: float) -> None:
         """Scalars of the step just taken, at x = steps completed (validation and checkpoints use it too)."""
         step_time = t2 - t0
-        batch = self.tc.global_batch_size
         values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                   "perf/step_time_ms": 1e3 * step_time, "perf/data_wait_ms": 1e3 * (t1 - t0),
-                  "perf/samples_per_sec": batch / step_time,
+                  **self.throughput(step_time), "mem/peak_gib": peak_memory_gib(self.device)}
+        values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})
+        self.tb.scalars(values, self.step)
+        self.progress.update(self.step, loss, values["perf/samples_per_sec"], lr)
+
+    def throughput(self, step_time: float) -> dict[str, float]:
+        """perf/* figures of one optimizer step over the global batch taking `step_time` seconds."""
+        batch = self.tc.global_batch_size
+        values = {"perf/samples_per_sec": batch / step_time,
                   "perf/tokens_per_sec": batch * self.task.tokens_per_sample() / step_time,
-                  "perf/tflops_per_sec": self.flops_per_sample * batch / step_time / self.grid.world_size / 1e12,
-                  "mem/peak_gib": peak_memory_gib(self.device)}
+                  "perf/tflops_per_sec": tflops_per_device(self.flops_per_sample, batch, step_time,
+                                                           self.grid.world_size)}
         utilization = mfu(values["perf/tflops_per_sec"], self.device, self.cfg.precision.mode)
         if utilization is not None:
             values["perf/mfu"] = utilization
-        values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})
-        self.tb.scalars(values, self.step)
-        self.progress.update(self.step, loss, batch / step_time, lr)
+        return values
 
     def maybe_validate_and_save(self, stop: int) -> None:
         last = self.step == self.tc.max_steps

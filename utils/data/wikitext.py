@@ -11,19 +11,16 @@ on whitespace, WikiText's `<unk>` kept, `<eos>` after every line), except that b
 `tokenizers` on the train split only. The tokenizer (JSON) and each split's ids (int32 .npy) are cached
 beside the data, or in a user cache folder when the data folder is read-only; names carry the tokenizer
 settings and the source files' names and sizes, so a change of either builds new ones. Cache files
-appear atomically and the first writer wins, so concurrent ranks agree on one tokenizer.
+appear atomically and the first writer wins, so concurrent ranks agree on one tokenizer. The
+tokenizers are in utils/data/tokenizers.py, the cache in utils/data/cache.py.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import itertools
-import json
-import os
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -32,18 +29,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch.utils.data import Dataset
 
-from utils.corpus import ensure_sample_corpus, user_cache_dir
+from utils.data.cache import cache_folders, cached
+from utils.data.corpus import ensure_sample_corpus
+from utils.data.tokenizers import AnyTokenizer, BPETokenizer, WordTokenizer, encode_lines
 from utils.errors import ConfigError, require
 
 SPLITS = ("train", "valid", "test")
 HF_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
 VARIANTS = ("auto", "wikitext-2", "wikitext-103")
 TOKENIZERS = ("word", "bpe")
-UNK, EOS = "<unk>", "<eos>"
 Split = Literal["train", "valid", "test"]
 
 
@@ -175,161 +171,6 @@ def nonempty_lines(source: SplitSource) -> Iterator[str]:
     require(first is not None, f"the corpus file(s) {source} hold no text", "data.root",
             "point data.root at a complete, non-empty WikiText copy")
     return itertools.chain([first], lines)
-
-
-# ----------------------------------------------------------------------------------------- tokenizers
-def split_at_eos(ids: Iterable[int], eos_id: int) -> list[list[int]]:
-    """Lines of ids between <eos> tokens; the last one is the (possibly empty) unterminated rest."""
-    lines: list[list[int]] = [[]]
-    for i in ids:
-        if i == eos_id:
-            lines.append([])
-        else:
-            lines[-1].append(int(i))
-    return lines
-
-
-class WordTokenizer:
-    """Word-level vocabulary: <unk>, <eos>, then the train split's words in order of first appearance."""
-
-    kind = "word"
-
-    def __init__(self, words: list[str]):
-        self.words = words
-        self.ids = {w: i for i, w in enumerate(words)}
-        self.unk_id, self.eos_id = self.ids[UNK], self.ids[EOS]
-
-    @classmethod
-    def train(cls, lines: Iterable[str]) -> WordTokenizer:
-        words = itertools.chain([UNK, EOS], itertools.chain.from_iterable(map(str.split, lines)))
-        return cls(list(dict.fromkeys(words)))  # first appearances, in order (one C-level pass)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.words)
-
-    def encode_batch(self, lines: list[str]) -> list[list[int]]:
-        get, unk = self.ids.get, self.unk_id
-        return [[get(w, unk) for w in line.split()] for line in lines]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`: words joined by spaces, <eos> as a newline."""
-        return "\n".join(" ".join(self.words[i] for i in line) for line in split_at_eos(ids, self.eos_id))
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"kind": self.kind, "words": self.words}), encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: Path) -> WordTokenizer:
-        return cls(json.loads(path.read_text(encoding="utf-8"))["words"])
-
-
-class BPETokenizer:
-    """Byte-level BPE (GPT-2 style, Hugging Face `tokenizers`); <eos> and <unk> are special tokens."""
-
-    kind = "bpe"
-
-    def __init__(self, tokenizer: HFTokenizer):
-        self.tokenizer = tokenizer
-        self.eos_id = tokenizer.token_to_id(EOS)
-
-    @classmethod
-    def train(cls, lines: Iterable[str], vocab_size: int) -> BPETokenizer:
-        tokenizer = HFTokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, UNK], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tokenizer.train_from_iterator(lines, trainer)
-        return cls(tokenizer)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
-
-    def encode_batch(self, lines: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(lines)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`: each line without the prefix space the encoder added, <eos> as a newline."""
-        decode = self.tokenizer.decode
-        return "\n".join(decode(line, skip_special_tokens=False).removeprefix(" ")
-                         for line in split_at_eos(ids, self.eos_id))
-
-    def save(self, path: Path) -> None:
-        self.tokenizer.save(str(path))
-
-    @classmethod
-    def load(cls, path: Path) -> BPETokenizer:
-        return cls(HFTokenizer.from_file(str(path)))
-
-
-AnyTokenizer = WordTokenizer | BPETokenizer
-
-
-def encode_lines(tokenizer: AnyTokenizer, lines: Iterable[str], chunk: int = 8192) -> np.ndarray:
-    """int32 ids of all lines, each followed by <eos>, encoded in chunks to bound memory."""
-    parts, eos = [], [tokenizer.eos_id]
-    it = iter(lines)
-    while batch := list(itertools.islice(it, chunk)):
-        ids = itertools.chain.from_iterable(line + eos for line in tokenizer.encode_batch(batch))
-        parts.append(np.fromiter(ids, dtype=np.int32))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-
-
-# ---------------------------------------------------------------------------------------------- cache
-def cache_folders(data_folder: Path, cache_dir: str | None) -> list[Path]:
-    """Where caches are looked up, in order: beside the data, then a per-corpus user cache folder."""
-    base = Path(cache_dir).expanduser() if cache_dir else user_cache_dir() / "wikitext"
-    tag = hashlib.sha1(str(data_folder.resolve()).encode()).hexdigest()[:12]
-    return [data_folder, base / f"{data_folder.name}-{tag}"]
-
-
-def cached(name: str, folders: list[Path], build: Callable[[Path], None]) -> Path:
-    """Path of cache file `name`: an existing one, else built by `build(tmp)` in the first writable folder.
-
-    The file is written under a temporary name and hard-linked into place, so readers never see half a
-    file and, when processes race, the first finished copy wins and everyone reads that one. A lock file
-    makes the ranks of a job that share a file system wait for the first builder instead of all
-    tokenizing the corpus at once.
-    """
-    for folder in folders:
-        if (folder / name).is_file():
-            return folder / name
-    for folder in folders:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            lock = open(folder / f".{name}.lock", "w")  # noqa: SIM115 (held until the build is done)
-        except OSError:
-            continue  # read-only: try the next folder
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if (folder / name).is_file():  # another rank built it while we waited
-                return folder / name
-            try:
-                fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-            except OSError:
-                continue  # not writable after all: try the next folder
-            os.close(fd)
-            return _build_into(folder, name, build, Path(tmp))
-    raise ConfigError(f"no writable cache folder among {', '.join(map(str, folders))}", "data.cache_dir",
-                      "set data.cache_dir to a writable folder")
-
-
-def _build_into(folder: Path, name: str, build: Callable[[Path], None], tmp: Path) -> Path:
-    """build(tmp) under its temporary name, then link it into place (first finished copy wins)."""
-    try:
-        build(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared data folder needs it readable
-        try:
-            os.link(tmp, folder / name)
-        except FileExistsError:
-            pass
-        except OSError:  # no hard links on this file system: last writer wins
-            os.replace(tmp, folder / name)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return folder / name
 
 
 def load_tokenizer(cfg: WikiTextConfig, train: SplitSource, folders: list[Path]) -> tuple[AnyTokenizer, str]:

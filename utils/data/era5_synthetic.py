@@ -16,7 +16,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from utils.era5 import CHANNELS
+from utils.data.cache import user_cache_dir
+from utils.data.era5 import CHANNELS
 from utils.errors import ConfigError
 
 GRID = (32, 64)  # (lat, lon) points: a 5.625-degree grid
@@ -91,8 +92,7 @@ def generate(root: Path, seed: int = 0) -> None:
 
 
 def default_cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "dlscale" / f"era5_synthetic_v{VERSION}"
+    return user_cache_dir() / f"era5_synthetic_v{VERSION}"
 
 
 def ensure_synthetic(root: Path | None, seed: int = 0) -> Path:

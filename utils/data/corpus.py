@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils.data.cache import user_cache_dir
 from utils.errors import ConfigError
 
 VERSION = 1  # bump when the generated text changes, so stale copies are not reused
@@ -287,11 +288,6 @@ def is_complete(folder: Path) -> bool:
 def foreign_folder(folder: Path) -> ConfigError:
     return ConfigError(f"{folder} exists but does not hold the sample corpus ({', '.join(FILES)})", "data.root",
                        "point data.root at a new or empty folder, or leave it unset (the user cache)")
-
-
-def user_cache_dir() -> Path:
-    """$XDG_CACHE_HOME (or ~/.cache)/dlscale: where generated data and fallback caches go."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dlscale"
 
 
 def default_sample_dir(seed: int = 0) -> Path:

@@ -55,14 +55,11 @@ def contiguous_part(n: int, rank: int, size: int) -> range:
 class Loaders:
     train: DataLoader
     val: DataLoader
-    steps_per_epoch: int
 
 
 def check_batch(global_batch_size: int, dp: int, grad_accum_steps: int, num_samples: int) -> None:
-    """User errors of the batch settings, raised before any work."""
-    require(global_batch_size > 0, f"global_batch_size must be positive, got {global_batch_size}",
-            "trainer.global_batch_size", "set a positive batch size")
-    require(grad_accum_steps > 0, "grad_accum_steps must be positive", "trainer.grad_accum_steps", "set 1 or more")
+    """User errors of the batch settings against the layout and the data (their signs are checked by
+    TrainerConfig), raised before any work."""
     require(global_batch_size % (dp * grad_accum_steps) == 0,
             f"global_batch_size {global_batch_size} is not divisible by dp={dp} x grad_accum_steps={grad_accum_steps}",
             "trainer.global_batch_size", f"use a multiple of {dp * grad_accum_steps}")
@@ -85,4 +82,4 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
     val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
                      num_workers=val_workers, pin_memory=pin_memory, persistent_workers=val_workers > 0,
                      generator=torch.Generator().manual_seed(seed))
-    return Loaders(train, val, sampler.steps_per_epoch)
+    return Loaders(train, val)

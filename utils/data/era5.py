@@ -119,10 +119,6 @@ class ERA5Dataset(Dataset):
         self._handles: dict[int, h5py.File] = {}
         self._pid = None
 
-    @property
-    def file_shape(self) -> tuple[int, int]:
-        return self.infos[0].shape
-
     def __len__(self) -> int:
         return self.length
 

@@ -21,23 +21,23 @@ from __future__ import annotations
 
 from torch import nn
 
-from distributed.layers import (ColumnParallelLinear, GatherSequence, RowParallelLinear, ScatterSequence,
-                                SequenceParallelLayerNorm, SequenceShards, VocabParallelCrossEntropy,
-                                VocabParallelEmbedding)
+from distributed.tensor.layers import (ColumnParallelLinear, GatherSequence, RowParallelLinear, ScatterSequence,
+                                       SequenceParallelLayerNorm, SequenceShards)
+from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.blocks import MLP, Attention, Block, SequenceRegion
 from utils.comm import Axis, AxisGroup, Grid
-from utils.errors import require
 
 
 def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool) -> nn.Module:
     """Shard `model` over grid's tp axis in place and return it (unchanged at tp == 1).
 
-    Raises ConfigError when tp does not divide the number of attention heads.
+    tp must divide every attention layer's head count (a user setting checked by utils.config.Config).
     """
     axis = grid.axis(Axis.TP)
     if axis.size == 1:
         return model
-    check_heads(model, axis.size)
+    heads = [m.qkv.out_features // (3 * m.head_dim) for m in model.modules() if isinstance(m, Attention)]
+    assert all(h % axis.size == 0 for h in heads), f"heads {heads} cannot be split over tp={axis.size}"
     shards = SequenceShards(axis)
     _parallelize_vocab(model, axis, sequence_parallel, shards)
     for module in list(model.modules()):
@@ -52,16 +52,6 @@ def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool) -> nn.
     if sequence_parallel:
         _parallelize_sequence_region(model, axis, shards)
     return model
-
-
-def check_heads(model: nn.Module, tp: int) -> None:
-    """ConfigError unless `tp` divides the head count of every attention layer of `model`."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            heads = module.qkv.out_features // (3 * module.head_dim)
-            require(heads % tp == 0, f"model.num_heads={heads} is not divisible by parallel.tp={tp}",
-                    "model.num_heads", f"choose model.num_heads a multiple of parallel.tp or a parallel.tp "
-                    f"that divides {heads}")
 
 
 def _parallelize_vocab(model: nn.Module, axis: AxisGroup, sequence_parallel: bool, shards: SequenceShards) -> None:

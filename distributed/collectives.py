@@ -1,0 +1,148 @@
+"""The one counted door: every collective outside autograd goes through here, and the mappings build on it.
+
+Three things live here so that nothing else writes them:
+- `ring_bytes(op, num_bytes, n)`: the bytes one rank sends with the ring algorithm on n ranks, the
+  formula behind every `comm/<axis>_bytes` figure (and the planner's predictions).
+- `split_sizes` / `chunk_bounds` / `own_chunk`: how a length is split over the ranks of an axis
+  (torch.tensor_split's convention: with L = q*n + r, the first r ranks hold q+1 elements).
+- Counted collectives on an `AxisGroup`: `all_reduce` (functional, traceable by torch.compile, used by
+  the mappings and the vocab-parallel loss), `all_reduce_` (in place, for gradients and metrics),
+  `all_reduce_coalesced_` (many tensors, one flat buffer), `all_gather`/`reduce_scatter` along a dim
+  with padding for uneven splits (gloo has no all-gatherv), and `barrier`.
+
+A size-1 axis moves nothing and calls nothing. Byte counts go through `distributed.counting.record`.
+The functional collectives (`torch.distributed._functional_collectives`) trace without graph breaks;
+the in-place ones use the c10d API for buffers outside autograd (gradients, scaler flags, metrics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from distributed.counting import record
+from utils.comm import AxisGroup
+
+# Recent torch renamed the dim-aware funcol collectives (the old names warn); older releases lack the new ones.
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def ring_bytes(op: str, num_bytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring collective over n ranks.
+
+    `num_bytes` is the size of the reduced tensor for 'all_reduce' (2(n-1)/n of it), of the full
+    (gathered) buffer for 'all_gather' and of the full input for 'reduce_scatter' ((n-1)/n of it).
+    """
+    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[op]
+    return factor * (n - 1) * num_bytes // n
+
+
+def nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    """Per-rank lengths of `length` split over `parts` ranks, as `torch.tensor_split` does."""
+    base, extra = divmod(length, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def chunk_bounds(length: int, axis: AxisGroup) -> tuple[int, int]:
+    """[start, end) of this rank's chunk of `length` elements split over `axis`."""
+    sizes = split_sizes(length, axis.size)
+    start = sum(sizes[: axis.rank])
+    return start, start + sizes[axis.rank]
+
+
+def own_chunk(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+    """This rank's contiguous chunk of `x` along `dim` (a view; no communication)."""
+    start, end = chunk_bounds(x.shape[dim], axis)
+    return x.narrow(dim, start, end - start)
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """Materialize a functional collective's result (eager mode returns an AsyncCollectiveTensor)."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+def all_reduce(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """A new tensor: `x` reduced over `axis` (op: sum | max | min); traceable, not differentiable."""
+    if axis.size == 1:
+        return x
+    record(axis, ring_bytes("all_reduce", nbytes(x), axis.size))
+    return wait(funcol.all_reduce(x.contiguous(), op, axis.group))
+
+
+def all_reduce_(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """Reduce `x` over `axis` in place (gradients, flags, metric sums) and return it."""
+    if axis.size > 1:
+        record(axis, ring_bytes("all_reduce", nbytes(x), axis.size))
+        dist.all_reduce(x, op=_REDUCE_OPS[op], group=axis.group)
+    return x
+
+
+def all_reduce_coalesced_(tensors: Sequence[torch.Tensor], axis: AxisGroup) -> None:
+    """Sum `tensors` (one dtype) over `axis` in place through one flat buffer: one collective, not many."""
+    if axis.size == 1 or not tensors:
+        return
+    flat = all_reduce_(torch.cat([t.reshape(-1) for t in tensors]), axis)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def mean_over(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    """The mean of `x` over the ranks of `axis` (a new tensor; `x` itself at size 1)."""
+    if axis.size == 1:
+        return x
+    return all_reduce_(x.clone(), axis).div_(axis.size)
+
+
+def _pad_to(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """Zero-pad `x` along `dim` up to `length`."""
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = missing
+    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+
+
+def all_gather(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    """Concatenate every rank's chunk along `dim` (rank r holds `sizes[r]`); traceable.
+
+    Uneven chunks are padded to the longest one and trimmed after the collective.
+    """
+    n, longest = axis.size, max(sizes)
+    padded = _pad_to(x, dim, longest).contiguous()
+    record(axis, ring_bytes("all_gather", n * nbytes(padded), n))
+    gathered = wait(_all_gather_single(padded, dim, axis.group))  # (..., n * longest, ...)
+    if all(s == longest for s in sizes):
+        return gathered
+    return torch.cat([gathered.narrow(dim, r * longest, s) for r, s in enumerate(sizes)], dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+    """Sum `x` over `axis` and keep this rank's chunk along `dim` (split_sizes convention); traceable."""
+    n = axis.size
+    sizes = split_sizes(x.shape[dim], n)
+    longest = max(sizes)
+    if any(s != longest for s in sizes):
+        x = torch.cat([_pad_to(c, dim, longest) for c in x.tensor_split(n, dim=dim)], dim=dim)
+    x = x.contiguous()
+    record(axis, ring_bytes("reduce_scatter", nbytes(x), n))
+    out = wait(_reduce_scatter_single(x, "sum", dim, axis.group))  # (..., longest, ...)
+    return out.narrow(dim, 0, sizes[axis.rank])
+
+
+def barrier(axis: AxisGroup) -> None:
+    """Wait until every rank of `axis` arrives (moves no payload bytes)."""
+    if axis.size > 1:
+        dist.barrier(group=axis.group)

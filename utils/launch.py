@@ -1,0 +1,69 @@
+"""The launch environment: what torchrun, Slurm or `train_mp.py` tell a rank about itself.
+
+Read side (every rank): `launch_env()` finds rank, world size and local rank in torchrun's variables
+(RANK/WORLD_SIZE/LOCAL_RANK) or Slurm's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), and `pick_device`
+gives the rank its GPU. Write side (`train_mp.py`): `rank_env` sets torchrun's variables for a local
+rank, so the ranks it starts read them exactly as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from utils.errors import require
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Rank, world size and local rank as given by the launcher."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str = "single"
+
+
+def launch_env(environ=os.environ) -> LaunchEnv:
+    """Read torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/NTASKS/LOCALID) variables."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return LaunchEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)), "torchrun")
+    if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            require(var in environ, f"{var} is not set under Slurm", var,
+                    "export MASTER_ADDR=$(scontrol show hostnames $SLURM_NODELIST | head -n1) and MASTER_PORT=29500")
+        return LaunchEnv(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]),
+                         int(environ.get("SLURM_LOCALID", 0)), "slurm")
+    return LaunchEnv()
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """This rank's GPU (one per local rank), or the CPU when CUDA is not available."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        require(local_rank < count, f"local rank {local_rank} has no GPU of its own ({count} visible)",
+                "launch", f"start at most {count} ranks per node (one per GPU)")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine now (for a local rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, use_gpus: bool, environ=os.environ) -> dict[str, str]:
+    """The environment of local rank `rank` of `world`, as torchrun would set it on one machine."""
+    env = dict(environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not use_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        # CPU ranks share the cores: more threads than cores makes every collective wait on spinning threads
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // world))
+    return env
