@@ -40,8 +40,9 @@ def test_resume_refuses_other_settings(tmp_path):
 
 
 def test_checkpoint_of_another_layout_is_refused(tmp_path):
-    Checkpointer(tmp_path, Grid.serial().world, layout="world=2 tp=2 cp=1 dp=1 pp=1 order=tp-cp-dp-pp").save(3, {"step": 3})
-    other = Checkpointer(tmp_path, Grid.serial().world, layout="world=2 tp=1 cp=1 dp=2 pp=1 order=tp-cp-dp-pp")
+    world = Grid.serial().world
+    Checkpointer(tmp_path, world, layout="world=2 tp=2 cp=1 dp=1 pp=1 order=tp-cp-dp-pp").save(3, {"step": 3})
+    other = Checkpointer(tmp_path, world, layout="world=2 tp=1 cp=1 dp=2 pp=1 order=tp-cp-dp-pp")
     with pytest.raises(ConfigError, match="layout"):
         other.load(other.latest())
 
