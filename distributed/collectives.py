@@ -8,7 +8,8 @@ Three things live here so that nothing else writes them:
 - Counted collectives on an `AxisGroup`: `all_reduce` (functional, traceable by torch.compile, used by
   the mappings and the vocab-parallel loss), `all_reduce_` (in place, for gradients and metrics),
   `all_reduce_coalesced_` (many tensors, one flat buffer), `all_gather`/`reduce_scatter` along a dim
-  with padding for uneven splits (gloo has no all-gatherv), and `barrier`.
+  with padding for uneven splits (gloo has no all-gatherv), `broadcast_object` (a small picklable
+  decision of one rank, e.g. which checkpoint to resume) and `barrier`.
 
 A size-1 axis moves nothing and calls nothing. Byte counts go through `distributed.counting.record`.
 The functional collectives (`torch.distributed._functional_collectives`) trace without graph breaks;
@@ -17,7 +18,9 @@ the in-place ones use the c10d API for buffers outside autograd (gradients, scal
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,3 +149,14 @@ def barrier(axis: AxisGroup) -> None:
     """Wait until every rank of `axis` arrives (moves no payload bytes)."""
     if axis.size > 1:
         dist.barrier(group=axis.group)
+
+
+def broadcast_object(obj: Any, axis: AxisGroup, src_rank: int = 0) -> Any:
+    """`obj` as rank `src_rank` of `axis` holds it (a small picklable value), on every rank of `axis`."""
+    if axis.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=axis.ranks[src_rank], group=axis.group)
+    if axis.rank == src_rank:  # the pickled payload and its length, sent down a tree
+        record(axis, len(pickle.dumps(obj)) + 8)
+    return box[0]

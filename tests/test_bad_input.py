@@ -54,3 +54,18 @@ def test_world_size_that_does_not_fit(tmp_path):
     proc = run_entry("train.py", "parallel.tp=2", env={"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                                                        "MASTER_PORT": "1"}, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: world size 3 does not fit tp=2"), proc.stderr
+
+
+@pytest.mark.parametrize("kind,setting", [("unreachable", "run.dir"), ("a file", "run.dir"), ("tag", "run.tag"),
+                                          ("resume", "trainer.resume")])
+def test_paths_are_bad_input_too(kind, setting, tmp_path):
+    """An unusable run directory, a tag that would escape run.root, a missing checkpoint: one line, exit 2."""
+    (tmp_path / "file").write_text("not a folder")
+    args = {"unreachable": ["run.dir=/proc/dlscale/run"], "a file": [f"run.dir={tmp_path / 'file'}"],
+            "tag": [f"run.root={tmp_path}", "run.tag=../../escaped"],
+            "resume": [f"run.dir={tmp_path / 'run'}", "trainer.resume=step_0000010"]}[kind]
+    proc = run_entry("train.py", *args, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and f"({setting})" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path.parent / "escaped").exists()

@@ -125,6 +125,21 @@ def test_gpt_uneven_splits(tmp_path, corpus_root):
     assert_same_curve(reference, curves(run_layout(tmp_path, "tp3", uneven, "parallel.tp=3")))
 
 
+def test_dp2_corrupt_replica_file_falls_back_on_every_rank(vit_reference, era5_root):
+    """Only rank 1 finds its newest file truncated: both ranks move to the previous checkpoint together,
+    rank 1 names the file, and the run still follows the uninterrupted curve."""
+    reference, tmp = vit_reference
+    args = ["parallel.dp=2", "trainer.ckpt_every=3"]
+    run_dir = run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args, "trainer.stop_at_step=7")
+    bad = run_dir / "checkpoints" / "step_0000007" / "rank_00001.pt"
+    bad.write_bytes(bad.read_bytes()[:64])
+    proc = run_entry("train_mp.py", *VIT, *COMMON, f"data.root={era5_root}", f"run.dir={run_dir}", *args, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert f"rank 1: unreadable checkpoint file {bad}" in proc.stdout
+    assert "resumed from" in proc.stdout and "step_0000006 at step 6" in proc.stdout
+    assert_same_curve(reference, curves(run_dir))
+
+
 def test_dp2_resume_from_replica_checkpoints(vit_reference, era5_root):
     """Only dp rank 0 writes weights and optimizer state; the other replica resumes from its file."""
     reference, tmp = vit_reference

@@ -18,7 +18,7 @@ from torch import nn
 from distributed.block_wrappers import wrap_blocks
 from distributed.data_parallel import wrap_data_parallel
 from distributed.tensor.parallelize import parallelize
-from utils.checkpoint import Checkpointer, resolve_resume
+from utils.checkpoint import Checkpointer, resume_state
 from utils.comm import Axis, Grid, check_grid, init_grid, layout_name, parse_order
 from utils.config import Config
 from utils.data.batching import build_loaders, check_batch
@@ -27,7 +27,7 @@ from utils.flops import training_flops_per_sample
 from utils.logger import setup_logging
 from utils.optim import build_optimizer, build_scheduler
 from utils.precision import configure_matmul, grad_scaler
-from utils.runs import check_resumable, run_dir_for
+from utils.runs import check_resumable, prepare_run_dir, run_dir_for
 from utils.tasks import build_task
 from utils.trainer import Trainer
 
@@ -74,10 +74,14 @@ def check_supported(sizes: dict[Axis, int]) -> None:
 
 
 def resume_run_dir(resume: str, run_dir: Path) -> Path | None:
-    """The run directory whose settings a resume continues: this run's, or the one holding a step_* PATH."""
+    """The run directory whose settings a resume continues: this run's (auto, a step number or a step_*
+    name), or the one holding a checkpoint PATH (<run>/checkpoints/step_*)."""
     if resume == "never":
         return None
-    return run_dir if resume == "auto" else Path(resume).parents[1]
+    if resume == "auto" or resume.isdigit() or (resume.startswith("step_") and "/" not in resume):
+        return run_dir
+    parents = Path(resume).expanduser().resolve().parents
+    return parents[1] if len(parents) > 1 else None
 
 
 def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer:
@@ -90,8 +94,8 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
     previous = resume_run_dir(cfg.trainer.resume, run_dir)
     if previous is not None:
         check_resumable(previous, config_yaml)
+    prepare_run_dir(run_dir)
     grid = init_grid(cfg.parallel, sizes)
-    run_dir.mkdir(parents=True, exist_ok=True)
     log = setup_logging(run_dir, grid.is_main)
     trainer = build_trainer(cfg, task, grid, log, run_dir)
     start_run(trainer, config_yaml)
@@ -114,10 +118,9 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     """Restore the checkpoint to resume from (if any), attach the loaders from its step, log the setup."""
     cfg, grid, task, log = trainer.cfg, trainer.grid, trainer.task, trainer.log
     dp = grid.axis(Axis.DP)
-    resume = resolve_resume(cfg.trainer.resume, trainer.checkpointer)
-    if resume:
-        trainer.load_state(trainer.checkpointer.load(resume, replica_source=dp.ranks[0]))
-        log.info(f"resumed from {resume} at step {trainer.step}")
+    state = resume_state(cfg.trainer.resume, trainer.checkpointer, dp.ranks[0], grid.device, log)
+    if state is not None:
+        trainer.load_state(state)
     trainer.loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
                                     dp_rank=dp.rank, dp_size=dp.size, seed=cfg.trainer.seed,
                                     start_step=trainer.step, num_workers=cfg.trainer.num_workers,

@@ -8,6 +8,7 @@ Below the entry point nothing sees a DictConfig.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,11 @@ class RunConfig:
     root: str = "outputs"  # parent of default run directories (`tensorboard --logdir outputs`)
     tag: str = ""  # appended to the default run directory name, to tell runs apart
 
+    def __post_init__(self):
+        require(re.fullmatch(r"[A-Za-z0-9_.+=-]*", self.tag) is not None and self.tag not in (".", ".."),
+                f"run.tag {self.tag!r} is not a plain name", "run.tag",
+                "use letters, digits and . _ - + = only (no /), or set run.dir for a folder of your own")
+
 
 @dataclass
 class Config:
@@ -67,6 +73,9 @@ class Config:
             require(isinstance(model, GPTConfig), "the WikiText data needs a GPT model", "model",
                     "use model=gpt_tiny, gpt_small or gpt_medium with data=wikitext*")
             check_seq_len(model, data.seq_len)
+        require(model.dropout == 0 or tp == 1, f"model.dropout={model.dropout} under parallel.tp={tp} would draw "
+                "the same dropout masks on every tensor-parallel rank", "model.dropout",
+                "set model.dropout=0 with parallel.tp>1 (per-rank dropout streams are not implemented yet)")
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
                 "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
                 "multiple of parallel.tp")

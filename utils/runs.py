@@ -10,6 +10,7 @@ only settings that do not change the training (logging cadence, workers, paths, 
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -58,6 +59,17 @@ def run_dir_for(cfg, choices: dict[str, str], config_yaml: str, layout: str) -> 
         parts.append(choices["experiment"])
     parts += [p for p in (override_digest(config_yaml, choices), cfg.run.tag) if p]
     return Path(cfg.run.root) / "-".join(parts)
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create run.dir and check that this rank can write there (every rank, before any work)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write_test"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"run directory {run_dir} cannot be used ({err.strerror or err})", "run.dir",
+                          "choose a folder this job can create and write, or another run.root") from None
 
 
 def check_resumable(run_dir: Path, config_yaml: str) -> None:
