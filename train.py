@@ -30,12 +30,11 @@ def main(argv: list[str] | None = None) -> int:
             print(config_yaml)
             return 0
         trainer = build_run(cfg, choices, config_yaml)
-        trainer.fit()
+        return trainer.fit()
     except ConfigError as err:
         exit_bad_input(err)
     finally:
         destroy_grid()
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Starts world = tp*cp*pp*dp processes of `train.py` (dp = parallel.dp, or 1 when it is derived; or
 `--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs, else CPU processes
 on gloo. Returns the first non-zero exit status; when a rank fails, the others are stopped at once.
+SIGTERM, SIGINT and SIGHUP are forwarded to the ranks, which checkpoint and exit (status 75); a rank
+never outlives the launcher.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 from utils.comm import check_grid
 from utils.config import load_config
 from utils.errors import ConfigError, exit_bad_input
-from utils.launch import LaunchEnv, free_port, rank_env
+from utils.launch import LaunchEnv, die_with_parent, free_port, rank_env
+from utils.preemption import EXIT_LATE, EXIT_PREEMPTED
 
 
 def parse_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -47,25 +50,58 @@ def world_size(argv: list[str], nproc: int | None) -> int:
     return world
 
 
-def supervise(procs: list[subprocess.Popen]) -> int:
-    """Wait for all ranks; the first failure stops the rest and is returned."""
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM to every live rank, SIGKILL to those still there after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def supervise(procs: list[subprocess.Popen], preempt_grace_s: float = 180.0) -> int:
+    """Wait for all ranks; the first failure stops the rest and is returned.
+
+    Ranks that stopped on a signal with a checkpoint (EXIT_PREEMPTED) wait for the others, which stop at
+    the same step; the job then returns EXIT_PREEMPTED (EXIT_LATE if some rank is not done in time).
+    """
+    preempted_at = None
     while True:
         codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
+        failed = [c for c in codes if c not in (None, 0, EXIT_PREEMPTED)]
         if failed:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            deadline = time.time() + 10
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.time()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_all(procs)
             return failed[0]
-        if all(c == 0 for c in codes):
-            return 0
+        if all(c is not None for c in codes):
+            return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
+        if EXIT_PREEMPTED in codes:
+            preempted_at = preempted_at or time.time()
+            if time.time() - preempted_at > preempt_grace_s:
+                stop_all(procs)
+                return EXIT_LATE
         time.sleep(0.1)
+
+
+def forward_stop_signals(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM, SIGINT or SIGHUP to the launcher reach every rank as SIGTERM (each finishes its step,
+    checkpoints and exits); a second one kills them. Ranks also die with the launcher (die_with_parent)."""
+    received = []
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None and received:
+                p.kill()
+            elif p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        received.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,14 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     entry = str(Path(__file__).resolve().parent / "train.py")
     print(f"train_mp: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
-    procs = [subprocess.Popen([sys.executable, entry, *argv], env=rank_env(r, world, port, use_gpus))
-             for r in range(world)]
-    try:
-        return supervise(procs)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.kill()
-        return 130
+    procs = [subprocess.Popen([sys.executable, entry, *argv], env=rank_env(r, world, port, use_gpus),
+                              preexec_fn=die_with_parent) for r in range(world)]
+    forward_stop_signals(procs)
+    return supervise(procs)
 
 
 if __name__ == "__main__":

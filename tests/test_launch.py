@@ -1,4 +1,5 @@
-"""Bad launches end the job: a grid that does not fit exits 2 at once; one failing rank stops the rest."""
+"""Bad launches end the job: a grid that does not fit exits 2 at once; one failing rank stops the rest;
+stop signals reach every rank and no rank outlives its launcher."""
 
 import os
 import subprocess
@@ -65,3 +66,32 @@ def test_layout_command_prints_groups_without_launching():
     bad = subprocess.run([sys.executable, "-m", "utils.comm", "tp=3", "world=8"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: world size 8 does not fit tp=3")
+
+
+def ranks_of(run_dir) -> list[int]:
+    """PIDs of live processes whose command line names this run directory."""
+    out = subprocess.run(["pgrep", "-f", f"run.dir={run_dir}"], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def test_launcher_forwards_stop_signals_and_never_leaves_a_rank_behind(tmp_path, era5_root):
+    """SIGTERM to train_mp.py reaches both tp ranks: one complete checkpoint of both, status 75. SIGKILL
+    of the launcher (nothing to forward) still ends its ranks, with a checkpoint."""
+    import signal
+
+    from tests.test_train_e2e import run_until_signalled
+    from utils.preemption import EXIT_PREEMPTED
+
+    for sig, name in ((signal.SIGTERM, "term"), (signal.SIGKILL, "kill")):
+        run_dir = tmp_path / name
+        args = [f"data.root={era5_root}", f"run.dir={run_dir}", "parallel=tp2", "trainer.max_steps=200",
+                "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=1"]
+        status, seconds, out = run_until_signalled(args, 3, sig, script="train_mp.py")
+        assert status == (EXIT_PREEMPTED if sig == signal.SIGTERM else -signal.SIGKILL), out[-2000:]
+        deadline = time.time() + 30
+        while ranks_of(run_dir) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not ranks_of(run_dir), "a rank outlived its launcher"
+        step_dir = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+        assert sorted(p.name for p in step_dir.iterdir()) == ["COMPLETE", "layout.txt", "rank_00000.pt",
+                                                             "rank_00001.pt"]

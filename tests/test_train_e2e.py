@@ -60,3 +60,49 @@ def test_era5_files_written_elsewhere(tmp_path):
                      "trainer.num_workers=0", "trainer.val_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(read_scalars(run_dir)["train/loss"]) == 3
+
+
+def run_until_signalled(args: list[str], at_step: int, sig: int, script: str = "train.py") -> tuple[int, float, str]:
+    """Start an entry point, send `sig` once it logs step `at_step`; (its exit status, seconds from the signal
+    to its exit, output so far). Output is drained by a thread, so children that outlive the entry point
+    (and keep its stdout open) cannot make this wait for them."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args, "trainer.log_every=1"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while not any(f"step {at_step}/" in line for line in list(lines)):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-20:])
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    status = proc.wait(timeout=120)
+    return status, time.monotonic() - sent, "".join(lines)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, tmp_path, era5_root):
+    """Slurm's SIGTERM (or SIGUSR1 ahead of the limit): finish the step, checkpoint it, exit 75; the same
+    command then continues and reproduces the uninterrupted losses bitwise."""
+    import signal
+
+    from utils.preemption import EXIT_PREEMPTED
+
+    common = ["trainer.max_steps=12", "trainer.val_every=0", "trainer.ckpt_every=0"]
+    full, _ = train(tmp_path, era5_root, "full", *common)
+    run_dir = tmp_path / "stopped"
+    args = [f"data.root={era5_root}", f"run.dir={run_dir}", *TINY, *common]
+    status, seconds, out = run_until_signalled(args, 4, getattr(signal, signame))
+    assert status == EXIT_PREEMPTED and seconds < 30, out[-2000:]
+    step = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert 4 <= step < 12 and (run_dir / "checkpoints" / f"step_{step:07d}" / "COMPLETE").is_file()
+    _, proc = train(tmp_path, era5_root, "stopped", *common)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:07d}'}" in proc.stdout
+    assert [v for _, v in read_scalars(run_dir)["train/loss"]] == [v for _, v in read_scalars(full)["train/loss"]]

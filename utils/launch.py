@@ -8,7 +8,9 @@ rank, so the ranks it starts read them exactly as under torchrun.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -56,6 +58,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """For rank processes a launcher starts (Popen preexec_fn, Linux): SIGTERM when the launcher dies, even
+    of SIGKILL, so a rank never trains on as an orphan. A no-op where prctl is missing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def rank_env(rank: int, world: int, port: int, use_gpus: bool, environ=os.environ) -> dict[str, str]:

@@ -11,7 +11,7 @@ from functools import partial
 
 import torch
 
-from distributed.collectives import mean_over
+from distributed.collectives import all_reduce_, mean_over
 from distributed.data_parallel import no_sync, sync_partial_grads
 from distributed.grad_norm import clip_grad_norm
 from utils.checkpoint import Checkpointer, rng_state, set_rng_state
@@ -21,6 +21,7 @@ from utils.errors import require
 from utils.flops import mfu, tflops_per_device
 from utils.logger import Progress, TensorBoard
 from utils.precision import autocast
+from utils.preemption import EXIT_PREEMPTED, StopRequest
 
 
 @dataclass
@@ -39,6 +40,7 @@ class TrainerConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     stop_at_step: int | None = None  # end this invocation after this step with a checkpoint (job time limits)
+    preempt_deadline_s: float = 120.0  # after SIGTERM/SIGUSR1: seconds to finish the step and checkpoint
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
@@ -49,6 +51,8 @@ class TrainerConfig:
         require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
                 "trainer.stop_at_step", "set null or a positive step")
         require(bool(self.resume), "resume is empty", "trainer.resume", "use auto, never or a checkpoint path")
+        require(self.preempt_deadline_s > 0, "preempt_deadline_s must be positive", "trainer.preempt_deadline_s",
+                "set the seconds a stop signal leaves to finish the step and write the checkpoint")
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -127,30 +131,49 @@ class Trainer:
         """The learning rate the next optimizer step uses."""
         return self.optimizer.param_groups[0]["lr"]
 
-    def fit(self) -> None:
+    def fit(self) -> int:
+        """Train to max_steps (or stop_at_step). Returns the exit status: 0, or EXIT_PREEMPTED when a stop
+        signal arrived and the checkpoint of the step reached is written (utils/preemption.py)."""
         if self.step >= self.tc.max_steps:
             self.log.info(f"run.dir already holds a finished run at step {self.step}; nothing to do "
                           "(set trainer.resume=never or another run.tag to start over)")
-            return
+            return 0
         self.log.info(f"training from step {self.step} to {self.tc.max_steps}")
         batches = iter(self.loaders.train)
         self.model.train()
         stop = min(self.tc.max_steps, self.tc.stop_at_step or self.tc.max_steps)
-        while self.step < stop:
-            t0 = time.perf_counter()
-            x, y = next(batches)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            t1 = time.perf_counter()
-            self.grid.reset_comm_bytes()
-            lr = self.current_lr()
-            loss, grad_norm = self.train_step(x, y)
-            loss_value = loss.item()
-            require(math.isfinite(loss_value) or self.scaler.is_enabled(), f"loss is {loss_value} at step {self.step}",
-                    "optim.lr", "lower the learning rate or use precision=bf16/fp32")
-            self.step += 1
-            self.log_step(loss_value, grad_norm.item(), lr, t0, t1, time.perf_counter())
-            self.maybe_validate_and_save(stop)
+        with StopRequest(self.tc.preempt_deadline_s) as request:
+            while self.step < stop:
+                self.fit_step(batches)
+                if self.stop_agreed(request):
+                    path = self.checkpointer.save(self.step, self.state())
+                    self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
+                                          f"{EXIT_PREEMPTED} (run the same command again to continue)")
+                    self.tb.close()
+                    return EXIT_PREEMPTED
+                self.maybe_validate_and_save(stop)
         self.tb.close()
+        return 0
+
+    def fit_step(self, batches) -> None:
+        """One optimizer step on the next global batch, timed and logged."""
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        t1 = time.perf_counter()
+        self.grid.reset_comm_bytes()
+        lr = self.current_lr()
+        loss, grad_norm = self.train_step(x, y)
+        loss_value = loss.item()
+        require(math.isfinite(loss_value) or self.scaler.is_enabled(), f"loss is {loss_value} at step {self.step}",
+                "optim.lr", "lower the learning rate or use precision=bf16/fp32")
+        self.step += 1
+        self.log_step(loss_value, grad_norm.item(), lr, t0, t1, time.perf_counter())
+
+    def stop_agreed(self, request: StopRequest) -> bool:
+        """Whether any rank was asked to stop (ranks may get the signal at different steps: all must agree)."""
+        flag = torch.tensor(float(request.requested), device=self.device)
+        return bool(all_reduce_(flag, self.grid.world, "max").item())
 
     def log_step(self, loss: float, grad_norm: float, lr: float, t0: float, t1: float, t2: float) -> None:
         """Scalars of the step just taken, at x = steps completed (validation and checkpoints use it too)."""

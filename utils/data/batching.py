@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils.errors import require
+from utils.preemption import ignore_stop_signals
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -72,7 +73,8 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
                   seed: int, start_step: int, num_workers: int, pin_memory: bool) -> Loaders:
     """Train loader over GlobalBatchSampler from `start_step`; val loader over this rank's val shard."""
     sampler = GlobalBatchSampler(len(train_set), global_batch_size, dp_rank, dp_size, seed, start_step)
-    workers = {"num_workers": num_workers, "pin_memory": pin_memory, "persistent_workers": num_workers > 0}
+    workers = {"num_workers": num_workers, "pin_memory": pin_memory, "persistent_workers": num_workers > 0,
+               "worker_init_fn": ignore_stop_signals if num_workers > 0 else None}
     if num_workers > 0:
         workers["prefetch_factor"] = 4
     # Own generators: worker seeds never draw from the global RNG, which dropout uses (exact resume)
@@ -81,5 +83,6 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
     val_workers = min(num_workers, 2)
     val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
                      num_workers=val_workers, pin_memory=pin_memory, persistent_workers=val_workers > 0,
+                     worker_init_fn=ignore_stop_signals if val_workers > 0 else None,
                      generator=torch.Generator().manual_seed(seed))
     return Loaders(train, val)

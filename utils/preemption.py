@@ -1,0 +1,69 @@
+"""Preemption: SIGTERM, SIGUSR1, SIGINT or SIGHUP end a run with a checkpoint instead of losing its steps.
+
+What Slurm sends at a time limit or on preemption (SIGTERM, or SIGUSR1 ahead of time with
+`--signal=USR1@120`), what a closed terminal (SIGHUP) or Ctrl-C (SIGINT) sends: the handler only
+records the request. The trainer finishes the step it is in, every rank agrees (the request is
+max-reduced over all ranks, since ranks may see the signal at different steps), writes a checkpoint and
+exits with EXIT_PREEMPTED (75, EX_TEMPFAIL: "try again"), which a Slurm script turns into a requeue.
+If the step and the checkpoint are not done `deadline_s` after the signal, the process exits with
+EXIT_LATE instead of waiting for SIGKILL. A second Ctrl-C interrupts at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+EXIT_PREEMPTED = 75  # a checkpoint of the step reached was written: requeue or re-run to continue
+EXIT_LATE = 76  # the deadline passed before the checkpoint was complete: the previous one stands
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
+
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """For DataLoader workers: leave the signals to the trainer (Slurm signals every process of a step;
+    a worker that died of SIGTERM would fail the trainer's last fetch). Workers exit with their parent."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class StopRequest:
+    """Context manager that installs the handlers (main thread only) and restores the previous ones."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline_s = deadline_s
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait
+        if self.requested:
+            return
+        self.signum = signum
+        self._timer = threading.Timer(self.deadline_s, self._late)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _late(self) -> None:
+        print(f"error: no checkpoint within trainer.preempt_deadline_s={self.deadline_s:g} s of "
+              f"{signal.Signals(self.signum).name}; exiting (the previous checkpoint stands)",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_LATE)
