@@ -144,8 +144,7 @@ class Trainer:
         stop = min(self.tc.max_steps, self.tc.stop_at_step or self.tc.max_steps)
         with StopRequest(self.tc.preempt_deadline_s) as request:
             while self.step < stop:
-                self.fit_step(batches)
-                if self.stop_agreed(request):
+                if self.fit_step(batches, request):
                     path = self.checkpointer.save(self.step, self.state())
                     self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
                                           f"{EXIT_PREEMPTED} (run the same command again to continue)")
@@ -155,8 +154,9 @@ class Trainer:
         self.tb.close()
         return 0
 
-    def fit_step(self, batches) -> None:
-        """One optimizer step on the next global batch, timed and logged."""
+    def fit_step(self, batches, request: StopRequest) -> bool:
+        """One optimizer step on the next global batch, timed and logged; returns whether every rank
+        agreed to stop after it (that agreement's bytes are part of the step's comm figures)."""
         t0 = time.perf_counter()
         x, y = next(batches)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -168,7 +168,9 @@ class Trainer:
         require(math.isfinite(loss_value) or self.scaler.is_enabled(), f"loss is {loss_value} at step {self.step}",
                 "optim.lr", "lower the learning rate or use precision=bf16/fp32")
         self.step += 1
+        stop = self.stop_agreed(request)
         self.log_step(loss_value, grad_norm.item(), lr, t0, t1, time.perf_counter())
+        return stop
 
     def stop_agreed(self, request: StopRequest) -> bool:
         """Whether any rank was asked to stop (ranks may get the signal at different steps: all must agree)."""
