@@ -78,6 +78,7 @@ class TensorBoard:
     def writer(self):
         """The SummaryWriter, created at the first event (a run with nothing to log writes no file)."""
         if self._writer is None and self.is_main:
+            # Imported here: only rank 0 ever writes, and importing tensorboard takes about a second.
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events a crashed run wrote after the checkpoint we resume from (steps are
