@@ -58,11 +58,11 @@ def vit_reference(tmp_path_factory, era5_root):
 
 def dp2_bytes_per_step(*overrides: str) -> int:
     """What a dp=2 rank sends per step: the ring all-reduce of every fp32 gradient once (none for the
-    micro-batches before the last), of the fp32 loss for the logged mean, and of the fp32 stop flag
-    (dp is the whole world here)."""
+    micro-batches before the last), of the fp32 loss for the logged mean, and of the step's two fp32
+    flags agreed by every rank (non-finite values, stop signal; dp is the whole world here)."""
     cfg, _, _ = load_config([*VIT, *overrides])
     params = sum(p.numel() for p in build_task(cfg, load_data=False).build_model().parameters())
-    return ring_bytes("all_reduce", 4 * params, 2) + 2 * ring_bytes("all_reduce", 4, 2)
+    return ring_bytes("all_reduce", 4 * params, 2) + ring_bytes("all_reduce", 4, 2) + ring_bytes("all_reduce", 8, 2)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

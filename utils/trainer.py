@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import resource
 import time
 from dataclasses import dataclass
@@ -41,6 +40,8 @@ class TrainerConfig:
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     stop_at_step: int | None = None  # end this invocation after this step with a checkpoint (job time limits)
     preempt_deadline_s: float = 120.0  # after SIGTERM/SIGUSR1: seconds to finish the step and checkpoint
+    nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm ends the run, or skips the update
+    max_skipped_steps: int = 10  # with nonfinite=skip: stop after this many consecutive skipped steps
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
@@ -51,6 +52,10 @@ class TrainerConfig:
         require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
                 "trainer.stop_at_step", "set null or a positive step")
         require(bool(self.resume), "resume is empty", "trainer.resume", "use auto, never or a checkpoint path")
+        require(self.nonfinite in ("stop", "skip"), f"unknown nonfinite policy {self.nonfinite!r}",
+                "trainer.nonfinite", "choose stop or skip")
+        require(self.max_skipped_steps > 0, "max_skipped_steps must be positive", "trainer.max_skipped_steps",
+                "set a positive number of steps")
         require(self.preempt_deadline_s > 0, "preempt_deadline_s must be positive", "trainer.preempt_deadline_s",
                 "set the seconds a stop signal leaves to finish the step and write the checkpoint")
 
@@ -81,6 +86,8 @@ class Trainer:
         self.tb = TensorBoard(run_dir, grid.is_main)
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
         self.flops_per_sample = built.flops_per_sample
+        self.skipped, self.skipped_steps, self.consecutive_skips = False, 0, 0  # trainer.nonfinite=skip
+        self.stop_requested = self.stop_agreed = False  # a stop signal on this rank / on any rank
 
     def state(self) -> dict:
         """This rank's checkpoint: step and RNG always; weights and optimizer state only on dp rank 0,
@@ -102,7 +109,12 @@ class Trainer:
         self.tb = TensorBoard(self.run_dir, self.grid.is_main, self.step)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (global-batch mean loss, global gradient norm); the lr used is `self.current_lr()`."""
+        """Returns (global-batch mean loss, global gradient norm); the lr used is `self.current_lr()`.
+
+        Without a loss scaler, a non-finite loss or gradient norm on any rank skips the update on every
+        rank (`self.skipped` says so); the fp16 scaler keeps its own skip logic. `self.stop_agreed`: some
+        rank had `stop_requested` (a stop signal) when the step began.
+        """
         micro = self.tc.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
@@ -114,11 +126,24 @@ class Trainer:
         self.finish_grads()
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_grad_norm()
-        self.scaler.step(self.optimizer)
+        loss = mean_over(total, self.dp)
+        self.agree_on_flags(loss, grad_norm)
+        if not self.skipped:
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return mean_over(total, self.dp), grad_norm
+        return loss, grad_norm
+
+    def agree_on_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """One max-reduction over all ranks of [non-finite loss or grad norm, stop requested], so every rank
+        takes the same branch: a rank's replicated gradients are its own (one NaN there must not make that
+        rank skip while the others step), and ranks may see a stop signal at different steps."""
+        bad = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float()
+        flags = torch.stack([bad, torch.tensor(float(self.stop_requested), device=self.device)])
+        bad_any, stop_any = all_reduce_(flags, self.grid.world, "max").tolist()
+        self.skipped = bad_any > 0 and not self.scaler.is_enabled()
+        self.stop_agreed = stop_any > 0
 
     def finish_grads(self) -> None:
         """Reduce gradients that are partial sums over model-parallel axes (none without tp/cp)."""
@@ -163,24 +188,36 @@ class Trainer:
         t1 = time.perf_counter()
         self.grid.reset_comm_bytes()
         lr = self.current_lr()
+        self.stop_requested = request.requested
         loss, grad_norm = self.train_step(x, y)
-        loss_value = loss.item()
-        require(math.isfinite(loss_value) or self.scaler.is_enabled(), f"loss is {loss_value} at step {self.step}",
-                "optim.lr", "lower the learning rate or use precision=bf16/fp32")
+        loss_value, norm_value = loss.item(), grad_norm.item()
         self.step += 1
-        stop = self.stop_agreed(request)
-        self.log_step(loss_value, grad_norm.item(), lr, t0, t1, time.perf_counter())
-        return stop
+        self.apply_nonfinite_policy(loss_value, norm_value)
+        self.log_step(loss_value, norm_value, lr, t0, t1, time.perf_counter())
+        return self.stop_agreed
 
-    def stop_agreed(self, request: StopRequest) -> bool:
-        """Whether any rank was asked to stop (ranks may get the signal at different steps: all must agree)."""
-        flag = torch.tensor(float(request.requested), device=self.device)
-        return bool(all_reduce_(flag, self.grid.world, "max").item())
+    def apply_nonfinite_policy(self, loss: float, grad_norm: float) -> None:
+        """trainer.nonfinite for a step whose update every rank skipped: stop with one line, or count it
+        (train/skipped_steps) and stop after max_skipped_steps in a row."""
+        if not self.skipped:
+            self.consecutive_skips = 0
+            return
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        what = f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {self.step}"
+        fix = "lower optim.lr, set optim.grad_clip, check the data"
+        require(self.tc.nonfinite == "skip", what, "trainer.nonfinite", f"{fix}, or set trainer.nonfinite=skip")
+        require(self.consecutive_skips <= self.tc.max_skipped_steps,
+                f"{self.consecutive_skips} consecutive steps skipped, the last with a {what}",
+                "trainer.max_skipped_steps", fix)
+        self.log.warning(f"skipped the update of step {self.step}: {what}")
+
 
     def log_step(self, loss: float, grad_norm: float, lr: float, t0: float, t1: float, t2: float) -> None:
         """Scalars of the step just taken, at x = steps completed (validation and checkpoints use it too)."""
         step_time = t2 - t0
         values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                  "train/skipped_steps": self.skipped_steps,
                   "perf/step_time_ms": 1e3 * step_time, "perf/data_wait_ms": 1e3 * (t1 - t0),
                   **self.throughput(step_time), "mem/peak_gib": peak_memory_gib(self.device)}
         values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})
