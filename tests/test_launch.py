@@ -2,6 +2,7 @@
 stop signals reach every rank and no rank outlives its launcher."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -95,3 +96,33 @@ def test_launcher_forwards_stop_signals_and_never_leaves_a_rank_behind(tmp_path,
         step_dir = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
         assert sorted(p.name for p in step_dir.iterdir()) == ["COMPLETE", "layout.txt", "rank_00000.pt",
                                                              "rank_00001.pt"]
+
+
+def test_a_stopped_rank_does_not_leave_the_job_waiting(tmp_path, era5_root):
+    """SIGSTOP rank 1 of a dp=2 job: rank 0 waits in a collective, its watchdog dumps the stacks and exits
+    77 naming the phase, and train_mp.py stops the rest (the stopped rank included) well within
+    trainer.hang_timeout_s + 30 s."""
+    import signal
+
+    from utils.watchdog import EXIT_HANG
+
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "train_mp.py"), f"data.root={era5_root}", f"run.dir={run_dir}",
+            "parallel.dp=2", "trainer.max_steps=500", "trainer.val_every=0", "trainer.ckpt_every=0",
+            "trainer.num_workers=0", "trainer.log_every=1", "trainer.hang_timeout_s=5"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run_dir / "train.log").is_file() or "step 3/" not in (run_dir / "train.log").read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.2)
+    rank1 = next(pid for pid in ranks_of(run_dir) if pid != proc.pid and "RANK=1" in
+                 open(f"/proc/{pid}/environ").read().replace("\0", " ") + " ")
+    os.kill(rank1, signal.SIGSTOP)
+    stopped = time.time()
+    status = proc.wait(timeout=60)
+    assert status == EXIT_HANG and time.time() - stopped < 5 + 30
+    _, err = proc.communicate()
+    assert re.search(r"error: rank 0 made no progress for \d+ s in phase '(forward/backward|optimizer)'", err), err
+    assert "Thread" in (run_dir / "hang_rank0.txt").read_text()
+    time.sleep(1)
+    assert not ranks_of(run_dir), "a rank outlived the job"

@@ -21,6 +21,7 @@ from utils.flops import mfu, tflops_per_device
 from utils.logger import Progress, TensorBoard
 from utils.precision import autocast
 from utils.preemption import EXIT_PREEMPTED, StopRequest
+from utils.watchdog import StepWatchdog
 
 
 @dataclass
@@ -42,6 +43,7 @@ class TrainerConfig:
     preempt_deadline_s: float = 120.0  # after SIGTERM/SIGUSR1: seconds to finish the step and checkpoint
     nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm ends the run, or skips the update
     max_skipped_steps: int = 10  # with nonfinite=skip: stop after this many consecutive skipped steps
+    hang_timeout_s: float = 1800.0  # a rank with no progress this long dumps its stacks and exits; 0 = off
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
@@ -56,6 +58,8 @@ class TrainerConfig:
                 "trainer.nonfinite", "choose stop or skip")
         require(self.max_skipped_steps > 0, "max_skipped_steps must be positive", "trainer.max_skipped_steps",
                 "set a positive number of steps")
+        require(self.hang_timeout_s >= 0, "hang_timeout_s must be >= 0", "trainer.hang_timeout_s",
+                "set 0 (off) or the seconds a step, validation or checkpoint may take at most")
         require(self.preempt_deadline_s > 0, "preempt_deadline_s must be positive", "trainer.preempt_deadline_s",
                 "set the seconds a stop signal leaves to finish the step and write the checkpoint")
 
@@ -88,6 +92,7 @@ class Trainer:
         self.flops_per_sample = built.flops_per_sample
         self.skipped, self.skipped_steps, self.consecutive_skips = False, 0, 0  # trainer.nonfinite=skip
         self.stop_requested = self.stop_agreed = False  # a stop signal on this rank / on any rank
+        self.watchdog = StepWatchdog(0, run_dir, grid.global_rank)  # off outside fit (e.g. the benchmark)
 
     def state(self) -> dict:
         """This rank's checkpoint: step and RNG always; weights and optimizer state only on dp rank 0,
@@ -123,6 +128,7 @@ class Trainer:
                 loss = self.raw_model.criterion(self.model(x), y) / micro
             self.scaler.scale(loss).backward()
             total += loss.detach()
+        self.watchdog.phase("optimizer")
         self.finish_grads()
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_grad_norm()
@@ -167,9 +173,12 @@ class Trainer:
         batches = iter(self.loaders.train)
         self.model.train()
         stop = min(self.tc.max_steps, self.tc.stop_at_step or self.tc.max_steps)
-        with StopRequest(self.tc.preempt_deadline_s) as request:
+        watchdog = StepWatchdog(self.tc.hang_timeout_s, self.run_dir, self.grid.global_rank)
+        with StopRequest(self.tc.preempt_deadline_s) as request, watchdog:
+            self.watchdog = watchdog
             while self.step < stop:
                 if self.fit_step(batches, request):
+                    self.watchdog.phase("checkpoint")
                     path = self.checkpointer.save(self.step, self.state())
                     self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
                                           f"{EXIT_PREEMPTED} (run the same command again to continue)")
@@ -183,12 +192,14 @@ class Trainer:
         """One optimizer step on the next global batch, timed and logged; returns whether every rank
         agreed to stop after it (that agreement's bytes are part of the step's comm figures)."""
         t0 = time.perf_counter()
+        self.watchdog.phase("data")
         x, y = next(batches)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t1 = time.perf_counter()
         self.grid.reset_comm_bytes()
         lr = self.current_lr()
         self.stop_requested = request.requested
+        self.watchdog.phase("forward/backward")
         loss, grad_norm = self.train_step(x, y)
         loss_value, norm_value = loss.item(), grad_norm.item()
         self.step += 1
@@ -239,8 +250,10 @@ class Trainer:
     def maybe_validate_and_save(self, stop: int) -> None:
         last = self.step == self.tc.max_steps
         if last or (self.tc.val_every and self.step % self.tc.val_every == 0):
+            self.watchdog.phase("validation")
             self.validate()
         if self.step == stop or (self.tc.ckpt_every and self.step % self.tc.ckpt_every == 0):
+            self.watchdog.phase("checkpoint")
             path = self.checkpointer.save(self.step, self.state())
             self.progress.message(f"saved checkpoint {path}")
 
