@@ -18,7 +18,7 @@ from torch import nn
 from distributed.block_wrappers import wrap_blocks
 from distributed.data_parallel import wrap_data_parallel
 from distributed.tensor.parallelize import parallelize
-from utils.checkpoint import Checkpointer, resume_state
+from utils.checkpoint import Checkpointer, names_own_step, resume_state
 from utils.comm import Axis, Grid, check_grid, init_grid, layout_name, parse_order
 from utils.config import Config
 from utils.data.batching import build_loaders, check_batch
@@ -78,7 +78,7 @@ def resume_run_dir(resume: str, run_dir: Path) -> Path | None:
     name), or the one holding a checkpoint PATH (<run>/checkpoints/step_*)."""
     if resume == "never":
         return None
-    if resume == "auto" or resume.isdigit() or (resume.startswith("step_") and "/" not in resume):
+    if resume == "auto" or names_own_step(resume):
         return run_dir
     parents = Path(resume).expanduser().resolve().parents
     return parents[1] if len(parents) > 1 else None

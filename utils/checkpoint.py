@@ -221,23 +221,27 @@ def choose_resume(resume: str, checkpointer: Checkpointer) -> tuple[list[Path], 
     return [path], f"resuming from {path} (trainer.resume={resume})"
 
 
+def names_own_step(resume: str) -> bool:
+    """Whether trainer.resume names a checkpoint of this run's own folder (a step number or a step_* name)
+    rather than a path."""
+    return resume.isdigit() or (resume.startswith("step_") and os.sep not in resume)
+
+
 def _resolve_named(resume: str, checkpointer: Checkpointer) -> Path:
-    if resume.isdigit():
-        return checkpointer.step_dir(int(resume))
-    if resume.startswith("step_") and os.sep not in resume:
-        return checkpointer.dir / resume
-    return Path(resume).expanduser()
+    if not names_own_step(resume):
+        return Path(resume).expanduser()
+    return checkpointer.step_dir(int(resume)) if resume.isdigit() else checkpointer.dir / resume
 
 
 def _choose_auto(checkpointer: Checkpointer) -> tuple[list[Path], str]:
     complete = checkpointer.complete_steps()
     hint = checkpointer.pointer()
     if not complete:
-        partial = sorted(p.name for p in checkpointer.dir.glob("step_*"))
+        partial = ", ".join(sorted(p.name for p in checkpointer.dir.glob("step_*")))
         if not partial and hint is None:
             return [], "starting from step 0"
-        return [], f"no complete checkpoint in {checkpointer.dir} (incomplete: {', '.join(partial) or 'none'}, " \
-                   f"`latest`: {hint}): starting from step 0"
+        why = f"no complete checkpoint in {checkpointer.dir} (incomplete: {partial or 'none'}, `latest`: {hint})"
+        return [], why + ": starting from step 0"
     why = f"resuming from {complete[0]}, the newest complete checkpoint"
     if hint is not None and hint != complete[0].name:
         state = "incomplete" if (checkpointer.dir / hint).is_dir() else "missing"
