@@ -62,10 +62,13 @@ def test_era5_files_written_elsewhere(tmp_path):
     assert len(read_scalars(run_dir)["train/loss"]) == 3
 
 
-def run_until_signalled(args: list[str], at_step: int, sig: int, script: str = "train.py") -> tuple[int, float, str]:
-    """Start an entry point, send `sig` once it logs step `at_step`; (its exit status, seconds from the signal
+def run_until_signalled(args: list[str], at_step: int, sig: int, script: str = "train.py",
+                        group: bool = False) -> tuple[int, float, str]:
+    """Start an entry point, send `sig` once it logs step `at_step` (to every process it started when
+    `group`, as Slurm signals every process of a job step); (its exit status, seconds from the signal
     to its exit, output so far). Output is drained by a thread, so children that outlive the entry point
     (and keep its stdout open) cannot make this wait for them."""
+    import os
     import subprocess
     import sys
     import threading
@@ -74,23 +77,27 @@ def run_until_signalled(args: list[str], at_step: int, sig: int, script: str = "
     from tests.conftest import ROOT
 
     proc = subprocess.Popen([sys.executable, str(ROOT / script), *args, "trainer.log_every=1"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     deadline = time.monotonic() + 120
     while not any(f"step {at_step}/" in line for line in list(lines)):
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-20:])
         time.sleep(0.05)
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     sent = time.monotonic()
     status = proc.wait(timeout=120)
     return status, time.monotonic() - sent, "".join(lines)
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
-def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, tmp_path, era5_root):
-    """Slurm's SIGTERM (or SIGUSR1 ahead of the limit): finish the step, checkpoint it, exit 75; the same
-    command then continues and reproduces the uninterrupted losses bitwise."""
+@pytest.mark.parametrize("signame,group", [("SIGTERM", False), ("SIGUSR1", True)])
+def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tmp_path, era5_root):
+    """Slurm's SIGTERM (or SIGUSR1 ahead of the limit, sent to every process: the data worker too):
+    finish the step, checkpoint it, exit 75; the same command then continues and reproduces the
+    uninterrupted losses bitwise."""
     import signal
 
     from utils.preemption import EXIT_PREEMPTED
@@ -99,10 +106,31 @@ def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, tmp_path,
     full, _ = train(tmp_path, era5_root, "full", *common)
     run_dir = tmp_path / "stopped"
     args = [f"data.root={era5_root}", f"run.dir={run_dir}", *TINY, *common]
-    status, seconds, out = run_until_signalled(args, 4, getattr(signal, signame))
+    status, seconds, out = run_until_signalled(args, 4, getattr(signal, signame), group=group)
     assert status == EXIT_PREEMPTED and seconds < 30, out[-2000:]
     step = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
     assert 4 <= step < 12 and (run_dir / "checkpoints" / f"step_{step:07d}" / "COMPLETE").is_file()
     _, proc = train(tmp_path, era5_root, "stopped", *common)
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:07d}'}" in proc.stdout
     assert [v for _, v in read_scalars(run_dir)["train/loss"]] == [v for _, v in read_scalars(full)["train/loss"]]
+
+
+def test_kill_9_around_saves_then_resume_reproduces_the_run(tmp_path, era5_root):
+    """A checkpoint every step and SIGKILL three times just as a step's save begins: the same command then
+    finishes from the newest complete checkpoint, and the losses equal the uninterrupted run's bitwise."""
+    import signal
+
+    common = ["trainer.max_steps=12", "trainer.val_every=0", "trainer.ckpt_every=1"]
+    full, _ = train(tmp_path, era5_root, "full", *common)
+    run_dir = tmp_path / "killed"
+    args = [f"data.root={era5_root}", f"run.dir={run_dir}", *TINY, *common]
+    resumed_from = []
+    for at_step in (3, 6, 9):
+        status, _, out = run_until_signalled(args, at_step, signal.SIGKILL, group=True)
+        assert status == -signal.SIGKILL, out[-2000:]
+        resumed_from += [line for line in out.splitlines() if "resumed from" in line]
+    assert len(resumed_from) == 2  # the second and third runs resumed
+    _, proc = train(tmp_path, era5_root, "killed", *common)
+    assert "resumed from" in proc.stdout
+    assert [v for _, v in read_scalars(run_dir)["train/loss"]] == [v for _, v in read_scalars(full)["train/loss"]]
+    assert not list((run_dir / "checkpoints").glob(".tmp_step_*"))  # leftovers of killed saves are cleaned

@@ -1,0 +1,46 @@
+"""The stop-signal handler: every stop signal is a request, a second Ctrl-C interrupts, the deadline exits 76."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+from utils.preemption import EXIT_LATE, SIGNALS, StopRequest
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=[s.name for s in SIGNALS])
+def test_each_stop_signal_is_recorded_and_handlers_restored(sig):
+    before = signal.getsignal(sig)
+    with StopRequest(60) as request:
+        assert not request.requested
+        os.kill(os.getpid(), sig)
+        time.sleep(0.05)  # delivered between bytecodes
+        assert request.signum == sig
+        os.kill(os.getpid(), signal.SIGTERM)  # a second non-interrupt signal changes nothing
+        time.sleep(0.05)
+        assert request.signum == sig
+    assert signal.getsignal(sig) == before
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+    with pytest.raises(KeyboardInterrupt), StopRequest(60) as request:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert request.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+
+
+def test_no_checkpoint_within_the_deadline_exits_76():
+    code = ("import os, signal, time\nfrom utils.preemption import StopRequest\n"
+            "with StopRequest(0.5):\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == EXIT_LATE and time.monotonic() - start < 10
+    assert "no checkpoint within trainer.preempt_deadline_s=0.5 s of SIGTERM" in proc.stderr
