@@ -55,7 +55,6 @@ def test_every_preset_composes():
     (["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=512"], "data.seq_len"),  # > max_positions
     (["data.img_size=[32,62]"], "data.img_size"),  # not a multiple of the patch (4)
     (["parallel=tp8"], "parallel.tp"),  # 4 heads over 8 ranks
-    (["parallel=tp2", "model.dropout=0.1"], "model.dropout"),  # same masks on every tp rank: refused for now
     (["run.tag=a/b"], "run.tag"),  # a tag is a name, not a path
 ])
 def test_rules_between_groups(overrides, setting):

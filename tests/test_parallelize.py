@@ -24,6 +24,7 @@ from torch import nn
 
 from distributed.data_parallel import partial_grad_params, sync_partial_grads
 from distributed.grad_norm import grad_norm
+from distributed.rng import ShardedRandom
 from distributed.tensor.layers import TensorParallelLayer
 from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
@@ -158,11 +159,37 @@ def _check_bad_heads(grid: Grid) -> None:
     assert repr(model) == before  # untouched
 
 
+def _check_dropout_streams(grid: Grid, sp: bool) -> None:
+    """Dropout masks: equal across tp on replicated activations, different on sharded ones."""
+    axis = grid.axis("tp")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(embed_dim=EMBED, depth=DEPTH, num_heads=4, max_positions=16, dropout=0.5), vocab_size=50)
+    model = parallelize(model, grid=grid, sequence_parallel=sp).train()
+    masks: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        return lambda module, args, out: masks.__setitem__(name, (out == 0) & (args[0] != 0))
+
+    drops = {name: m for name, m in model.named_modules() if isinstance(m, nn.Dropout)}
+    for name, module in drops.items():
+        module.register_forward_hook(record(name))
+    sharded = {name for name in drops if name.endswith(".inner")}
+    assert sharded == ({f"blocks.{i}.{d}.inner" for i in range(DEPTH) for d in ("drop", "mlp.drop")} if sp else set())
+    assert all(isinstance(b.attn.attend, ShardedRandom) for b in model.blocks)  # heads are always split
+    torch.manual_seed(1)  # one default stream across tp, as utils.build seeds it
+    model.loss(torch.randint(0, 50, (BATCH, 8)), torch.randint(0, 50, (BATCH, 8)))
+    for name, mask in masks.items():
+        gathered = _gather(mask.int(), axis, 0).chunk(axis.size)
+        same = all(torch.equal(g, gathered[0]) for g in gathered[1:])
+        assert same == (name not in sharded), f"{name}: masks {'equal' if same else 'differ'} across tp"
+
+
 def _parallelize_checks(rank: int, world_size: int) -> None:
     grid = init_grid(ParallelConfig(tp=world_size))
     for sp in (False, True):
         _check_vit(grid, sp)
         _check_gpt(grid, sp)
+        _check_dropout_streams(grid, sp)
     if world_size == 4:
         _check_bad_heads(grid)
 

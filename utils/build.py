@@ -50,7 +50,8 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     if cfg.trainer.activation_checkpointing or cfg.precision.compile:
         wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
     # The stream dropout draws from: fixed by the seed after setup (which draws differently per layout),
-    # distinct per data-parallel replica. Tensor-parallel ranks share it (no Megatron RNG tracker yet).
+    # distinct per data-parallel replica. Tensor-parallel ranks share it; dropouts on tp-sharded
+    # activations fork a stream per shard from it (distributed/rng.py).
     torch.manual_seed(cfg.trainer.seed * 1_000_003 + 1 + grid.rank(Axis.DP))
     return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
 

@@ -73,9 +73,6 @@ class Config:
             require(isinstance(model, GPTConfig), "the WikiText data needs a GPT model", "model",
                     "use model=gpt_tiny, gpt_small or gpt_medium with data=wikitext*")
             check_seq_len(model, data.seq_len)
-        require(model.dropout == 0 or tp == 1, f"model.dropout={model.dropout} under parallel.tp={tp} would draw "
-                "the same dropout masks on every tensor-parallel rank", "model.dropout",
-                "set model.dropout=0 with parallel.tp>1 (per-rank dropout streams are not implemented yet)")
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
                 "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
                 "multiple of parallel.tp")

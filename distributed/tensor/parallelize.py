@@ -11,6 +11,10 @@
   (blocks' `norm1`/`norm2`, the model's final `norm`) become sequence-parallel, the `SequenceRegion`
   markers split ('enter') and gather ('exit') the sequence over tp, and the linears all-gather /
   reduce-scatter along the sequence instead of all-reduce. Without it the regions stay identities.
+- dropout on sharded activations draws a mask per shard (`distributed.rng`): the attention core's
+  (heads are split) always, the blocks' residual and MLP dropouts under sequence parallelism (tokens
+  are split). Dropouts on replicated activations (the embeddings', and the blocks' without sequence
+  parallelism) keep the default stream, which agrees across tp, so every rank applies the same mask.
 
 Weights are copied shard by shard from the serial model (`from_serial`), so the full weights of a
 parallel model equal the serial ones. Per block and training step the blocks move 8(t-1)/t x A bytes
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from distributed.rng import per_shard
 from distributed.tensor.layers import (ColumnParallelLinear, GatherSequence, RowParallelLinear, ScatterSequence,
                                        SequenceParallelLayerNorm, SequenceShards)
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
@@ -45,6 +50,7 @@ def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool) -> nn.
             module.qkv = ColumnParallelLinear.from_serial(module.qkv, axis, sequence_parallel=sequence_parallel,
                                                           shards=shards)
             module.proj = RowParallelLinear.from_serial(module.proj, axis, sequence_parallel=sequence_parallel)
+            module.attend = per_shard(module.attend, (axis,))  # heads are split over tp
         elif isinstance(module, MLP):
             module.fc1 = ColumnParallelLinear.from_serial(module.fc1, axis, sequence_parallel=sequence_parallel,
                                                           shards=shards)
@@ -75,11 +81,14 @@ def _parallelize_vocab(model: nn.Module, axis: AxisGroup, sequence_parallel: boo
 
 
 def _parallelize_sequence_region(model: nn.Module, axis: AxisGroup, shards: SequenceShards) -> None:
-    """Sequence-parallel LayerNorms inside the region, and the region markers as split/gather."""
+    """Sequence-parallel LayerNorms and per-shard dropouts inside the region; the markers as split/gather."""
     for module in list(model.modules()):
         if isinstance(module, Block):
             module.norm1 = SequenceParallelLayerNorm.from_serial(module.norm1, axis)
             module.norm2 = SequenceParallelLayerNorm.from_serial(module.norm2, axis)
+            module.drop = per_shard(module.drop, (axis,))  # tokens are split over tp
+        elif isinstance(module, MLP):
+            module.drop = per_shard(module.drop, (axis,))
     norm = getattr(model, "norm", None)
     if isinstance(norm, nn.LayerNorm) and not isinstance(norm, SequenceParallelLayerNorm):
         model.norm = SequenceParallelLayerNorm.from_serial(norm, axis)
