@@ -56,6 +56,12 @@ def test_launch_environments():
     with pytest.raises(ConfigError) as info:
         launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
     assert info.value.setting == "MASTER_ADDR"
+    from utils.launch import restart_warning
+
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_warning(shared)
+    assert restart_warning(dict(shared, TORCHELASTIC_USE_AGENT_STORE="False")) is None  # the fix is set
+    assert restart_warning(dict(shared, TORCHELASTIC_MAX_RESTARTS="0")) is None  # no restarts asked for
 
 
 def test_layout_command_prints_groups_without_launching():
@@ -126,3 +132,63 @@ def test_a_stopped_rank_does_not_leave_the_job_waiting(tmp_path, era5_root):
     assert "Thread" in (run_dir / "hang_rank0.txt").read_text()
     time.sleep(1)
     assert not ranks_of(run_dir), "a rank outlived the job"
+
+
+def _rank_pid(run_dir, rank: int) -> int | None:
+    """PID of the process of `rank` (by its RANK variable) of the run in `run_dir`, if alive."""
+    for pid in ranks_of(run_dir):
+        try:
+            if f"\0RANK={rank}\0" in "\0" + open(f"/proc/{pid}/environ").read():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_path, era5_root):
+    """torchrun --max-restarts=1, dp=2: SIGKILL rank 1 after step 7 (checkpoints every 3 steps); torchrun
+    restarts both ranks, they resume from the newest complete checkpoint (step 6) and the final weights
+    and the whole loss curve equal an uninterrupted run's bitwise."""
+    import signal
+
+    import torch
+
+    from tests.conftest import read_scalars
+
+    def torchrun(name: str, restarts: int) -> tuple[subprocess.Popen, list[str]]:
+        import threading
+
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                f"--max-restarts={restarts}", "--monitor-interval=0.2", str(ROOT / "train.py"),
+                f"data.root={era5_root}", f"run.dir={tmp_path / name}", "parallel.dp=2", "trainer.max_steps=12",
+                "trainer.val_every=0", "trainer.ckpt_every=3", "trainer.num_workers=0", "trainer.log_every=1"]
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+        return proc, lines
+
+    killed, out = torchrun("killed", 1)
+    deadline = time.time() + 120
+    while not any("step 7/" in line for line in list(out)):
+        assert killed.poll() is None and time.time() < deadline, "".join(out[-30:])
+        time.sleep(0.05)
+    os.kill(_rank_pid(tmp_path / "killed", 1), signal.SIGKILL)
+    killed_at, saved = time.time(), [line.split("step_")[-1].strip() for line in list(out) if "saved checkpoint" in line]
+    full, full_out = torchrun("full", 0)  # the reference, meanwhile
+    status = killed.wait(timeout=180)
+    open("/tmp/torchrun_out.txt", "w").write("".join(out))
+    assert status == 0, "".join(out[-40:])
+    print(f"torchrun restart: rank 1 killed after step 7, job finished {time.time() - killed_at:.1f} s later")
+    assert full.wait(timeout=180) == 0, "".join(full_out[-30:])
+    text = "".join(out)
+    resumed = text[text.index("resumed from"):].split("\n")[0]  # step 6, or 9 when its save beat the kill
+    assert resumed.startswith(f"resumed from {tmp_path / 'killed' / 'checkpoints' / f'step_{saved[-1]}'}"), \
+        text[-3000:]
+    ckpts = [tmp_path / name / "checkpoints" / "step_0000012" / "rank_00000.pt" for name in ("full", "killed")]
+    ref, got = (torch.load(p, weights_only=False)["model"] for p in ckpts)
+    assert ref.keys() == got.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=0, msg=key)
+    losses = [[v for _, v in read_scalars(tmp_path / name)["train/loss"]] for name in ("full", "killed")]
+    assert losses[1] == losses[0]  # TensorBoard keeps the re-run steps' values (out-of-order events purged)

@@ -24,6 +24,7 @@ from utils.config import Config
 from utils.data.batching import build_loaders, check_batch
 from utils.errors import require
 from utils.flops import training_flops_per_sample
+from utils.launch import restart_warning
 from utils.logger import setup_logging
 from utils.optim import build_optimizer, build_scheduler
 from utils.precision import configure_matmul, grad_scaler
@@ -98,6 +99,8 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
     prepare_run_dir(run_dir)
     grid = init_grid(cfg.parallel, sizes)
     log = setup_logging(run_dir, grid.is_main)
+    if (warning := restart_warning()) is not None:
+        log.warning(warning)
     trainer = build_trainer(cfg, task, grid, log, run_dir)
     start_run(trainer, config_yaml)
     return trainer
