@@ -128,6 +128,7 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     trainer.loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
                                     dp_rank=dp.rank, dp_size=dp.size, seed=cfg.trainer.seed,
                                     start_step=trainer.step, num_workers=cfg.trainer.num_workers,
+                                    worker_start=cfg.trainer.worker_start,
                                     pin_memory=grid.device.type == "cuda")
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)

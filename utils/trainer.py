@@ -15,7 +15,7 @@ from distributed.data_parallel import no_sync, sync_partial_grads
 from distributed.grad_norm import clip_grad_norm
 from utils.checkpoint import Checkpointer, rng_state, set_rng_state
 from utils.comm import Axis, Grid
-from utils.data.batching import Loaders
+from utils.data.batching import WORKER_STARTS, Loaders
 from utils.errors import require
 from utils.flops import mfu, tflops_per_device
 from utils.logger import Progress, TensorBoard
@@ -37,6 +37,7 @@ class TrainerConfig:
     ckpt_keep: int = 2  # checkpoints kept on disk
     resume: str = "auto"  # auto (latest of run.dir) | never | PATH to a step_* folder
     num_workers: int = 2  # DataLoader worker processes per rank
+    worker_start: str = "forkserver"  # forkserver | spawn | fork: how data workers start (see utils/data/batching)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     stop_at_step: int | None = None  # end this invocation after this step with a checkpoint (job time limits)
@@ -54,6 +55,8 @@ class TrainerConfig:
         require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
                 "trainer.stop_at_step", "set null or a positive step")
         require(bool(self.resume), "resume is empty", "trainer.resume", "use auto, never or a checkpoint path")
+        require(self.worker_start in WORKER_STARTS, f"unknown worker start method {self.worker_start!r}",
+                "trainer.worker_start", "choose " + ", ".join(WORKER_STARTS))
         require(self.nonfinite in ("stop", "skip"), f"unknown nonfinite policy {self.nonfinite!r}",
                 "trainer.nonfinite", "choose stop or skip")
         require(self.max_skipped_steps > 0, "max_skipped_steps must be positive", "trainer.max_skipped_steps",

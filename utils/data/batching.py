@@ -8,6 +8,7 @@ on dp, tp, cp, pp or order, and a resumed run continues from its step with no sa
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils.errors import require
 from utils.preemption import ignore_stop_signals
+
+WORKER_STARTS = ("forkserver", "spawn", "fork")  # multiprocessing start methods for data workers
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -70,11 +73,20 @@ def check_batch(global_batch_size: int, dp: int, grad_accum_steps: int, num_samp
 
 
 def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: int, dp_rank: int, dp_size: int,
-                  seed: int, start_step: int, num_workers: int, pin_memory: bool) -> Loaders:
-    """Train loader over GlobalBatchSampler from `start_step`; val loader over this rank's val shard."""
+                  seed: int, start_step: int, num_workers: int, pin_memory: bool,
+                  worker_start: str = "forkserver") -> Loaders:
+    """Train loader over GlobalBatchSampler from `start_step`; val loader over this rank's val shard.
+
+    `worker_start`: how worker processes start. By the time the loaders start their workers a rank
+    runs gloo/NCCL, OpenMP and TensorBoard threads; `fork` copies the process in whatever state those
+    threads left the heap and the libraries' globals (HDF5's among them), which is not safe in a
+    threaded process. `forkserver` (default) forks workers from a clean single-threaded server, at the
+    cost of importing the dataset's modules once per worker (persistent workers: once per run).
+    """
     sampler = GlobalBatchSampler(len(train_set), global_batch_size, dp_rank, dp_size, seed, start_step)
+    context = multiprocessing.get_context(worker_start) if num_workers > 0 else None
     workers = {"num_workers": num_workers, "pin_memory": pin_memory, "persistent_workers": num_workers > 0,
-               "worker_init_fn": ignore_stop_signals if num_workers > 0 else None}
+               "worker_init_fn": ignore_stop_signals if num_workers > 0 else None, "multiprocessing_context": context}
     if num_workers > 0:
         workers["prefetch_factor"] = 4
     # Own generators: worker seeds never draw from the global RNG, which dropout uses (exact resume)
@@ -84,5 +96,6 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
     val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
                      num_workers=val_workers, pin_memory=pin_memory, persistent_workers=val_workers > 0,
                      worker_init_fn=ignore_stop_signals if val_workers > 0 else None,
+                     multiprocessing_context=multiprocessing.get_context(worker_start) if val_workers > 0 else None,
                      generator=torch.Generator().manual_seed(seed))
     return Loaders(train, val)
