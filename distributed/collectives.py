@@ -10,6 +10,8 @@ Three things live here so that nothing else writes them:
   `all_reduce_coalesced_` (many tensors, one flat buffer), `all_gather`/`reduce_scatter` along a dim
   with padding for uneven splits (gloo has no all-gatherv), `broadcast_object` (a small picklable
   decision of one rank, e.g. which checkpoint to resume) and `barrier`.
+- `ring_shift`: point-to-point, every rank sends to the next rank of the axis and receives from the
+  previous one, asynchronously (ring attention passes K/V blocks with it while it computes).
 
 A size-1 axis moves nothing and calls nothing. Byte counts go through `distributed.counting.record`.
 The functional collectives (`torch.distributed._functional_collectives`) trace without graph breaks;
@@ -19,7 +21,7 @@ the in-place ones use the c10d API for buffers outside autograd (gradients, scal
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -160,3 +162,34 @@ def broadcast_object(obj: Any, axis: AxisGroup, src_rank: int = 0) -> Any:
     if axis.rank == src_rank:  # the pickled payload and its length, sent down a tree
         record(axis, len(pickle.dumps(obj)) + 8)
     return box[0]
+
+
+def ring_shift(tensors: Sequence[torch.Tensor], axis: AxisGroup, shapes: Sequence[Sequence[int]],
+               tag: int = 0) -> Callable[[], list[torch.Tensor]]:
+    """Start passing `tensors` one step around the ring of `axis`; returns `wait`, which yields what arrived.
+
+    Every rank sends its tensors to the next rank of the axis ((rank+1) % size) and receives, from the
+    previous one, tensors of `shapes` (same dtypes and device as `tensors`). The transfer runs while the
+    caller computes (double buffering: compute on the current block, the next one is in flight); call
+    `wait()` before using what arrived, and leave `tensors` unmodified until then. Tensor i travels
+    with tag `tag + i`, so two shifts in flight at once (e.g. K/V and dK/dV) need disjoint tags; every
+    rank must start the shifts of an axis in the same order. Counted: the bytes of `tensors`. A size-1
+    axis moves nothing: `wait()` returns `tensors` themselves.
+    """
+    if axis.size == 1:
+        return lambda: list(tensors)
+    send_to = axis.ranks[(axis.rank + 1) % axis.size]
+    recv_from = axis.ranks[(axis.rank - 1) % axis.size]
+    sent = [t.contiguous() for t in tensors]
+    received = [torch.empty(tuple(s), dtype=t.dtype, device=t.device) for t, s in zip(sent, shapes, strict=True)]
+    ops = [dist.P2POp(dist.isend, t, send_to, axis.group, tag + i) for i, t in enumerate(sent)]
+    ops += [dist.P2POp(dist.irecv, t, recv_from, axis.group, tag + i) for i, t in enumerate(received)]
+    record(axis, sum(nbytes(t) for t in sent))
+    works = dist.batch_isend_irecv(ops)
+
+    def wait() -> list[torch.Tensor]:
+        for work in works:
+            work.wait()
+        return received
+
+    return wait

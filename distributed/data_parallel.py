@@ -1,8 +1,10 @@
 """Gradient synchronization across replicas: DDP over dp x cp, and partial gradients over tp.
 
 - `wrap_data_parallel` wraps the model in torch DDP over `grid.axis('dp', 'cp')`, the ranks that hold
-  the same weights for every weight, with a comm hook that averages each gradient bucket by
-  all-reduce and records 2(d-1)/d x bucket bytes on that axis (ring all-reduce, d = its size).
+  the same weights for every weight, with a comm hook that all-reduces each gradient bucket, divided
+  by dp: summed over cp (each cp rank's gradient covers only its own tokens of the same loss, see
+  distributed/context/parallelize.py) and averaged over dp (each dp rank has other samples). It
+  records 2(d-1)/d x bucket bytes on that axis (ring all-reduce, d = dp x cp).
 - `sync_partial_grads` sums over tp the gradients that layers declare partial (`partial_grad_axes` and
   `partial_grad_params()` of `distributed/tensor/layers.py`: LayerNorms and row-parallel biases under
   sequence parallelism, whose ranks each saw only their own tokens), in one coalesced all-reduce per axis.
@@ -24,16 +26,17 @@ from distributed.counting import record
 from utils.comm import Axis, AxisGroup, Grid
 
 
-def _allreduce_mean_hook(axis, bucket):
-    """DDP comm hook: average one flat gradient bucket (dist.GradBucket) over `axis` (AxisGroup),
-    counting its ring volume; returns a Future of the averaged buffer.
+def _allreduce_mean_hook(state, bucket):
+    """DDP comm hook: all-reduce one flat gradient bucket (dist.GradBucket) over `axis` and divide it by
+    `dp` (state = (AxisGroup, dp)), counting its ring volume; returns a Future of the reduced buffer.
 
     Unannotated on purpose: DDP compares the annotations with dist.GradBucket and torch.futures.Future
     objects, which `from __future__ import annotations` would turn into strings.
     """
+    axis, dp = state
     buffer = bucket.buffer()
     record(axis, ring_bytes("all_reduce", nbytes(buffer), axis.size))
-    buffer.div_(axis.size)
+    buffer.div_(dp)
     work = dist.all_reduce(buffer, group=axis.group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -53,7 +56,7 @@ def wrap_data_parallel(model: nn.Module, *, grid: Grid, bucket_cap_mb: float = 2
     ddp = DistributedDataParallel(model, process_group=axis.group, bucket_cap_mb=bucket_cap_mb,
                                   device_ids=[device] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True, broadcast_buffers=False)
-    ddp.register_comm_hook(axis, _allreduce_mean_hook)
+    ddp.register_comm_hook((axis, grid.axis(Axis.DP).size), _allreduce_mean_hook)
     return ddp
 
 

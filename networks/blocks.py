@@ -6,7 +6,10 @@ parallel layers. Conventions it relies on:
   so a contiguous split of the output features gives each tensor-parallel rank whole heads.
 - `Attention.attend` is the attention core on (B, heads, N, head_dim), a module of its own so that
   context parallelism (planned) can swap it for a distributed one.
-- `SequenceRegion` modules mark where activations enter and leave the sequence-sharded region.
+- `SequenceRegion` modules mark where activations enter and leave the sequence-sharded region, and
+  (kind 'output') where per-token outputs are complete and a model needs every token again.
+- `Attention.positions`: None, or (context parallelism) an object whose `local_positions` are the
+  global positions of the tokens this rank holds; rotary embeddings read them.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from torch import nn
 
 
 class SequenceRegion(nn.Identity):
-    """Identity in a serial model; marks where the sequence is split ('enter') or gathered ('exit')."""
+    """Identity in a serial model; marks where the sequence is split ('enter'), gathered for the
+    replicated layers after the blocks ('exit': sequence parallelism), or gathered after the per-token
+    output layers ('output': context parallelism, whose layers after 'exit' still see a shard)."""
 
     def __init__(self, kind: str, seq_dim: int = 1):
         super().__init__()
-        assert kind in ("enter", "exit")
+        assert kind in ("enter", "exit", "output")
         self.kind, self.seq_dim = kind, seq_dim
 
 
@@ -72,13 +77,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.attend = ScaledDotProductAttention(causal, dropout)
         self.proj = nn.Linear(dim, dim, bias=bias)
+        self.positions = None  # context parallelism: the token layout (see the module docstring)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, N, heads_local * 3 * head_dim)
         qkv = qkv.unflatten(-1, (-1, 3, self.head_dim)).permute(3, 0, 2, 1, 4)  # (3, B, h, N, hd)
         q, k, v = qkv.unbind(0)
         if self.rotary:
-            cos, sin = self.rotary_cos[:q.shape[-2]], self.rotary_sin[:q.shape[-2]]  # (N, head_dim/2)
+            index = slice(0, q.shape[-2]) if self.positions is None else self.positions.local_positions
+            cos, sin = self.rotary_cos[index], self.rotary_sin[index]  # (N, head_dim/2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.attend(q, k, v)  # (B, h, N, hd)
         return self.proj(y.transpose(1, 2).flatten(2))  # (B, N, C)

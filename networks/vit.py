@@ -59,6 +59,7 @@ class ViT(nn.Module):
         self.norm = nn.LayerNorm(cfg.embed_dim)
         self.exit_seq = SequenceRegion("exit")
         self.head = nn.Linear(cfg.embed_dim, out_channels * p * p)
+        self.gather_out = SequenceRegion("output")
         self.criterion = RelativeL2Loss()  # the seed's relative L2 loss, used by the trainer
         init_weights(self, cfg.init_std, cfg.depth)
         nn.init.trunc_normal_(self.pos_embed, std=cfg.init_std, a=-2 * cfg.init_std, b=2 * cfg.init_std)
@@ -85,7 +86,7 @@ class ViT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.exit_seq(self.norm(x))  # (B, N, D)
-        return self.unpatchify(self.head(x))  # (B, C, H, W)
+        return self.unpatchify(self.gather_out(self.head(x)))  # (B, C, H, W)
 
     def matmul_params(self) -> int:
         """Weights that take part in matrix multiplies (for the FLOP model): all but norms, biases, pos."""

@@ -1,7 +1,8 @@
 """Layout invariance through the real entry points: every layout follows the single-process loss curve.
 
-fp32 on CPU with dropout 0: the per-step training loss of dp=2, tp=2, tp=2 x dp=2 (two orders) matches
-the one-process run within relative 1e-4 for 10 steps, for the ViT and for the language model. Runs go
+fp32 on CPU with dropout 0: the per-step training loss and gradient norm of dp, tp, cp (ring and
+all-gather attention, uneven patches) and their products match the one-process run within relative
+1e-4 for 10 steps, for the ViT and for the language model. Runs go
 through train_mp.py (and once through torchrun), exactly as users launch them.
 """
 
@@ -28,7 +29,13 @@ LAYOUTS = {
     "tp2dp2": ["parallel=tp2", "parallel.dp=2"],
     "tp2dp2_dp_first": ["parallel=tp2", "parallel.dp=2", "parallel.order=dp-tp-cp-pp"],
     "dp2_accum2": ["parallel.dp=2", "trainer.grad_accum_steps=2"],  # no dp sync before the last micro-batch
+    "cp3": ["parallel.cp=3"],  # ViT: 128 patches split 43/43/42; LM: 2 x 3 chunks of 32 tokens do not fit
+    "cp2": ["parallel=cp2"],
+    "tp2cp2_allgather": ["parallel=tp2cp2", "parallel.cp_attention=allgather"],
+    "cp2dp2": ["parallel=cp2", "parallel.dp=2"],  # gradients summed over cp, averaged over dp, in one reduction
 }
+VIT_LAYOUTS = ["dp2", "tp2", "tp2dp2", "tp2dp2_dp_first", "dp2_accum2", "cp3", "tp2cp2_allgather", "cp2dp2"]
+GPT_LAYOUTS = ["dp2", "tp2", "tp2dp2", "cp2", "tp2cp2_allgather"]
 
 
 def curves(run_dir):
@@ -65,7 +72,7 @@ def dp2_bytes_per_step(*overrides: str) -> int:
     return ring_bytes("all_reduce", 4 * params, 2) + ring_bytes("all_reduce", 4, 2) + ring_bytes("all_reduce", 8, 2)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", VIT_LAYOUTS)
 def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5_root):
     reference, tmp = vit_reference
     run_dir = run_layout(tmp, layout, VIT, f"data.root={era5_root}", *LAYOUTS[layout])
@@ -74,8 +81,9 @@ def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5
     if layout.startswith("dp2"):  # complete and exact: a dp all-reduce per micro-batch would double it
         want = dp2_bytes_per_step(f"data.root={era5_root}")
         assert [v for _, v in scalars["comm/dp_bytes"]] == [want] * STEPS
-    if "tp2" in layout:
-        assert scalars["comm/tp_bytes"][0][1] > 0
+    for axis in ("tp", "cp"):
+        if axis in layout:
+            assert scalars[f"comm/{axis}_bytes"][0][1] > 0
 
 
 def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
@@ -112,7 +120,7 @@ def gpt_reference(tmp_path_factory, corpus_root):
     return curves(run_layout(tmp, "single", GPT, f"data.root={corpus_root}")), tmp
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "tp2dp2"])
+@pytest.mark.parametrize("layout", GPT_LAYOUTS)
 def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corpus_root):
     reference, tmp = gpt_reference
     run_dir = run_layout(tmp, layout, GPT, f"data.root={corpus_root}", *LAYOUTS[layout])

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from distributed.block_wrappers import wrap_blocks
+from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import wrap_data_parallel
 from distributed.tensor.parallelize import parallelize
 from utils.checkpoint import Checkpointer, names_own_step, resume_state
@@ -47,6 +48,7 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     flops = training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(),  # before sharding
                                       cfg.model.depth, cfg.model.embed_dim)
     model = parallelize(model, grid=grid, sequence_parallel=cfg.parallel.sequence_parallel)
+    model = parallelize_context(model, grid=grid, variant=cfg.parallel.cp_attention)
     model.to(grid.device)
     if cfg.trainer.activation_checkpointing or cfg.precision.compile:
         wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
@@ -70,9 +72,8 @@ def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> st
 
 def check_supported(sizes: dict[Axis, int]) -> None:
     """Layouts this version cannot train yet (before any work)."""
-    for axis, name in ((Axis.CP, "context"), (Axis.PP, "pipeline")):
-        require(sizes[axis] == 1, f"{name} parallelism is not implemented yet", f"parallel.{axis.value}",
-                f"set parallel.{axis.value}=1 (tensor and data parallelism are available)")
+    require(sizes[Axis.PP] == 1, "pipeline parallelism is not implemented yet", "parallel.pp",
+            "set parallel.pp=1 (tensor, context and data parallelism are available)")
 
 
 def resume_run_dir(resume: str, run_dir: Path) -> Path | None:

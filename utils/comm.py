@@ -52,6 +52,7 @@ class ParallelConfig:
     dp: int = 0  # data-parallel degree; 0 = derive from the world size
     order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
     sequence_parallel: bool = True  # Megatron sequence parallelism for norms/dropout under tp
+    cp_attention: str = "ring"  # ring | allgather: how attention reaches the other cp ranks' keys and values
     init_timeout_s: int = 600  # timeout of collectives: a missing rank fails the job, never hangs
 
     def __post_init__(self):
@@ -61,6 +62,8 @@ class ParallelConfig:
                     f"parallel.{name}", f"set parallel.{name}=1 or more")
         require(self.dp >= 0, f"dp must be >= 0, got {self.dp}", "parallel.dp", "use 0 to derive dp from the world size")
         parse_order(self.order)
+        require(self.cp_attention in ("ring", "allgather"), f"unknown cp_attention {self.cp_attention!r}",
+                "parallel.cp_attention", "choose ring or allgather")
         require(self.init_timeout_s > 0, "timeout must be positive", "parallel.init_timeout_s", "set a number of seconds")
 
 

@@ -61,7 +61,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
-        model, data, tp = self.model, self.data, self.parallel.tp
+        model, data, tp, cp = self.model, self.data, self.parallel.tp, self.parallel.cp
         if isinstance(data, ERA5Config):
             require(isinstance(model, ViTConfig), "the ERA5 data needs a ViT model", "model",
                     "use model=vit_tiny, vit_base or vit_large with data=era5*")
@@ -69,10 +69,19 @@ class Config:
             require(data.img_size[0] % p == 0 and data.img_size[1] % p == 0,
                     f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
                     f"choose a crop whose sides are multiples of model.patch_size={p}")
+            tokens = (data.img_size[0] // p) * (data.img_size[1] // p)
+            require(tokens >= cp, f"{tokens} patches cannot be split over parallel.cp={cp}", "parallel.cp",
+                    f"use parallel.cp <= {tokens} or a larger data.img_size")
         if isinstance(data, WikiTextConfig):
             require(isinstance(model, GPTConfig), "the WikiText data needs a GPT model", "model",
                     "use model=gpt_tiny, gpt_small or gpt_medium with data=wikitext*")
             check_seq_len(model, data.seq_len)
+            require(data.seq_len % (2 * cp) == 0, f"data.seq_len={data.seq_len} is not a multiple of 2 x parallel.cp="
+                    f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
+                    f"use a multiple of {2 * cp}")
+        require(model.dropout == 0 or cp == 1, f"model.dropout={model.dropout} with parallel.cp={cp} is not "
+                "supported yet (the context-parallel attention has no dropout)", "model.dropout",
+                "set model.dropout=0 with parallel.cp>1")
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
                 "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
                 "multiple of parallel.tp")

@@ -4,7 +4,8 @@ Validation writes continuations with it (utils/tasks.py) and the tests call it o
 parallel models alike. Every step runs the model on a window of one fixed width (prompt plus new
 tokens, at most `max_positions`), right-padded while it fills: the model is causal, so padding never
 changes the logits of earlier positions, and a fixed width compiles one graph. Once the text is longer
-than `max_positions`, the window slides and keeps the last `max_positions` tokens. Under tensor
+than `max_positions`, the window slides and keeps the last `max_positions` tokens. Under context
+parallelism the width is a multiple of the layout's (2 x cp) and each step gathers the logits over cp. Under tensor
 parallelism each rank holds a vocabulary shard of the logits; the last position's shards are gathered
 over tp (a few rows: training never gathers the vocabulary) and every rank picks the same token.
 """
@@ -30,7 +31,10 @@ def greedy_decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int, *, t
     `model` is a `networks.transformer.GPT`, serial or parallelized over `tp` (a size-1 axis for a
     serial model). Runs in eval mode (no dropout) and restores the previous mode.
     """
-    width = min(prompts.shape[1] + new_tokens, model.cfg.max_positions)
+    shards = getattr(model, "context_shards", None)  # context parallelism: logits of this rank's tokens
+    multiple = shards.multiple if shards is not None else 1
+    width = min(-(-(prompts.shape[1] + new_tokens) // multiple) * multiple,
+                model.cfg.max_positions // multiple * multiple)
     out = prompts
     was_training = model.training
     model.eval()
@@ -39,7 +43,10 @@ def greedy_decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int, *, t
             window = out[:, -width:]
             last = window.shape[1] - 1
             with autocast():
-                logits = model(F.pad(window, (0, width - window.shape[1])))[:, last].float()  # (B, V_local)
+                logits = model(F.pad(window, (0, width - window.shape[1])))  # (B, W or W_local, V_local)
+            if shards is not None:
+                logits = shards.unshard(logits, 1)  # (B, W, V_local)
+            logits = logits[:, last].float()
             logits = gather_vocab(logits, tp, model.padded_vocab)  # (B, V_padded)
             out = torch.cat((out, logits[:, :model.vocab_size].argmax(dim=-1, keepdim=True)), dim=1)
     finally:

@@ -95,7 +95,7 @@ def _parallelize_sequence_region(model: nn.Module, axis: AxisGroup, shards: Sequ
     entries = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, SequenceRegion):
+            if isinstance(child, SequenceRegion) and child.kind != "output":  # 'output' is cp's
                 region = ScatterSequence if child.kind == "enter" else GatherSequence
                 setattr(parent, name, region(axis, child.seq_dim, shards))
                 entries += child.kind == "enter"

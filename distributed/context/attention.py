@@ -1,0 +1,54 @@
+"""Attention over a sequence split across the cp ranks: the two variants of `parallel.cp_attention`.
+
+Each rank holds the queries, keys and values of its own tokens, (B, h, N_local, d) (h = the heads of
+this tp rank), in the layout of `distributed/context/layout.py`.
+
+- `allgather` (the NERSC seed's semantics): forward all-gathers K and V over cp (`all_gather_region`:
+  backward reduce-scatters their gradients) and runs SDPA of the local queries against the full
+  sequence, with a boolean mask from the global positions when causal. Per block and step each rank
+  sends (cp-1)/cp x 2 x bytes(full K) forward and as much backward; it holds the full K and V.
+- `ring` (`distributed/context/ring.py`): K/V blocks travel around the ring while each rank computes
+  blockwise attention with the log-sum-exp and merges exactly; the full K/V is never held.
+
+Both return exactly what single-process attention gives for this rank's queries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed.context.layout import ContextShards
+from distributed.context.ring import ring_attention
+from distributed.mappings import all_gather_region
+
+VARIANTS = ("allgather", "ring")
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in for `networks.blocks.ScaledDotProductAttention` under context parallelism."""
+
+    def __init__(self, shards: ContextShards, causal: bool, variant: str):
+        super().__init__()
+        assert variant in VARIANTS, variant
+        self.shards, self.causal, self.variant = shards, causal, variant
+
+    @classmethod
+    def from_serial(cls, core: nn.Module, shards: ContextShards, variant: str) -> ContextParallelAttention:
+        assert getattr(core, "dropout", 0.0) == 0, "attention dropout under cp is refused by utils.config"
+        return cls(shards, core.causal, variant)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        shards = self.shards
+        if self.variant == "ring":
+            return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions if self.causal else None)
+        k_all = all_gather_region(k, shards.axis, 2, shards.sizes)  # (B, h, N, d) in rank order
+        v_all = all_gather_region(v, shards.axis, 2, shards.sizes)
+        mask = None
+        if self.causal:  # query i sees key j iff pos(i) >= pos(j); keys are in rank order
+            mask = shards.local_positions[:, None] >= torch.cat(shards.positions)[None, :]
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.shards.axis.size}, causal={self.causal}, variant={self.variant}"

@@ -1,0 +1,98 @@
+"""Context parallelism for a (possibly tensor-parallel) model: split its sequence over the cp axis.
+
+`parallelize_context(model, grid=grid, variant=...)` runs after tensor parallelism and changes, over
+the grid's cp axis:
+- the 'enter' marker (or the sequence-parallel split tp put there): this rank's tokens are kept first
+  (`ContextShards.shard`), then tp splits them further under sequence parallelism. The layout is
+  balanced for causal models, contiguous otherwise (`distributed/context/layout.py`); everything
+  before the split (embeddings, the ViT's position table) runs on the full sequence, so position
+  embeddings are sliced with the tokens;
+- every `Attention`: its core becomes `ContextParallelAttention` (all-gather or ring), and its rotary
+  tables are read at the global positions of this rank's tokens;
+- the 'output' marker (the ViT, after its head): the per-token outputs are gathered back into the
+  full sequence, so the model's output and loss are the single-process ones on every cp rank;
+- without an 'output' marker (the LM), the criterion sees this rank's tokens: `ContextParallelLoss`
+  takes the matching targets and averages the per-rank means over cp.
+
+Gradients: every weight sees only this rank's tokens, so its gradient is partial over cp; the loss is
+the same on every cp rank, so the data-parallel reduction sums over cp and averages over dp
+(`distributed/data_parallel.py`). The model gets a `context_shards` attribute (greedy decoding reads it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distributed.context.attention import ContextParallelAttention
+from distributed.context.layout import ContextShards
+from distributed.mappings import reduce_from_region
+from distributed.tensor.layers import ScatterSequence
+from networks.blocks import Attention, SequenceRegion
+from utils.comm import Axis, Grid
+
+
+class EnterContext(nn.Module):
+    """Keep this rank's tokens of the full sequence, then apply `inner` (tp's split, or an identity)."""
+
+    def __init__(self, shards: ContextShards, inner: nn.Module, seq_dim: int = 1):
+        super().__init__()
+        self.shards, self.inner, self.seq_dim = shards, inner, seq_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.shards.enter(x.shape[self.seq_dim], x.device)
+        return self.inner(self.shards.shard(x, self.seq_dim))
+
+
+class GatherContext(nn.Module):
+    """Every rank's per-token outputs, in sequence order (fwd all-gather, bwd this rank's part)."""
+
+    def __init__(self, shards: ContextShards, seq_dim: int = 1):
+        super().__init__()
+        self.shards, self.seq_dim = shards, seq_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shards.unshard(x, self.seq_dim)
+
+
+class ContextParallelLoss(nn.Module):
+    """A per-token mean loss on this rank's tokens, averaged over cp: the full-sequence mean.
+
+    Exact when every cp rank counts the same number of targets (equal shards, no ignored targets:
+    the case of every training and validation block). Backward: 1/cp of the local gradient.
+    """
+
+    def __init__(self, inner: nn.Module, shards: ContextShards):
+        super().__init__()
+        self.inner, self.shards = inner, shards
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        local = self.inner(logits, self.shards.shard(targets, 1))
+        return reduce_from_region(local, self.shards.axis) / self.shards.axis.size
+
+
+def parallelize_context(model: nn.Module, *, grid: Grid, variant: str) -> nn.Module:
+    """Split `model`'s sequence over grid's cp axis in place (after tp) and return it; unchanged at cp=1."""
+    axis = grid.axis(Axis.CP)
+    if axis.size == 1:
+        return model
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    causal = any(a.attend.causal for a in attentions)
+    shards = ContextShards(axis, balanced=causal)
+    for attention in attentions:
+        attention.attend = ContextParallelAttention.from_serial(attention.attend, shards, variant)
+        attention.positions = shards
+    found = {"enter": 0, "output": 0}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, ScatterSequence) or (isinstance(child, SequenceRegion) and child.kind == "enter"):
+                setattr(parent, name, EnterContext(shards, child, child.seq_dim))
+                found["enter"] += 1
+            elif isinstance(child, SequenceRegion) and child.kind == "output":
+                setattr(parent, name, GatherContext(shards, child.seq_dim))
+                found["output"] += 1
+    assert found["enter"] == 1, f"context parallelism needs exactly one 'enter' region, found {found['enter']}"
+    if not found["output"]:
+        model.criterion = ContextParallelLoss(model.criterion, shards)
+    model.context_shards = shards
+    return model

@@ -1,0 +1,200 @@
+"""Ring attention for context parallelism (cp): exact attention over a sequence split across cp ranks.
+
+Rank r of the cp axis holds its shard of queries, keys and values, q, k, v of shape (B, h, n_r, d)
+with n_r = sizes[r] (uneven shards allowed). Keys and values travel around the ring (Liu et al. 2023,
+"Ring Attention with Blockwise Transformers"); no rank ever holds more than its own K/V block and the
+one in flight, never the full K/V.
+
+Forward, steps s = 0 .. cp-1: at step s rank r holds the K/V block of rank j = (r - s) mod cp. It starts
+passing that block to rank r+1 (receiving block j-1 from rank r-1) before computing on it, so the
+transfer runs under the compute (`ring_shift`, double buffered), then attends its queries to the block
+(`block_attention`, which returns the block output and its log-sum-exp, LSE) and folds the result into
+its running output with the online-softmax `merge`. Saved for backward: q, k, v, the output and the
+LSE (B, h, n_r), nothing gathered.
+
+Backward (flash-attention style, Dao 2023, alg. 2): each block's probabilities are recomputed from the
+saved LSE, P = exp(S * scale - lse) with S = Q K^T, and with D = rowsum(dO * O):
+    dV_j += P^T dO,   dP = dO V_j^T,   dS = P * (dP - D),   dQ += scale * dS K_j,   dK_j += scale * dS^T Q.
+dQ accumulates locally. K/V travel as in forward; the partial dK_j/dV_j travel one step behind them:
+at step s rank r adds its contribution to the dK_j/dV_j that rank r-1 sent at step s-1, then sends the
+sum to rank r+1 (that transfer runs under the next step's compute). After cp steps every block's
+gradient, summed over every rank's queries, is back at its home rank.
+
+Masks: positions None is non-causal (every query sees every key). Otherwise positions[s] are the global
+sequence positions of rank s's tokens (identical list on every rank; any layout, e.g. the load-balanced
+one where rank r holds chunks r and 2cp-1-r of 2cp) and query i sees key j iff pos_q[i] >= pos_k[j].
+A block with no visible pair is skipped (no compute); a fully visible one runs without a mask.
+
+Precision: fp16/bf16 inputs are upcast per block and every sum (output, LSE, dQ, dK, dV) is float32;
+float32/float64 inputs compute natively. The output and gradients come back in the input dtype.
+
+Bytes rank r sends over the cp axis (counted by `ring_shift`), with KV(j) = bytes(K_j) + bytes(V_j) in
+the input dtype and G(j) the same two blocks in the accumulation dtype (= KV(j) for float32/float64,
+2 x KV(j) for fp16/bf16), j(s) = (r - s) mod cp:
+    forward  = sum_{s=0}^{cp-2} KV(j(s))                      even shards: (cp-1) x 2 x block bytes
+    backward = sum_{s=0}^{cp-2} KV(j(s)) + sum_{s=0}^{cp-1} G(j(s))
+                                  even shards, fp32/fp64: (cp-1) x 2 + cp x 2 = (4cp-2) x block bytes
+where block bytes = B * h * n * d * element size of one K (or V) block. A size-1 axis sends nothing
+and computes the same blocks serially (cp=1 equals scaled_dot_product_attention). Not supported:
+attention dropout, a custom scale (1/sqrt(d) as SDPA's default), grouped K/V heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distributed.collectives import ring_shift
+from utils.comm import AxisGroup
+
+KV_TAG, GRAD_TAG = 0, 2  # ring_shift tags: K/V and dK/dV are in flight at once (two tensors each)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the sums: float32 for half precisions, the input's own otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Scaled scores S * scale (B, h, nq, nk), -inf where `mask` is False."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of q (B, h, nq, d) to one key block k, v (B, h, nk, d): (out, lse).
+
+    `mask`: bool (nq, nk), True = may attend, or None (all visible). Returns out (B, h, nq, d) and the
+    log-sum-exp of the scaled scores lse (B, h, nq), both in `compute_dtype` of the input. A fully
+    masked row gives lse = -inf and out = 0 (no NaN).
+    """
+    dtype = compute_dtype(q.dtype)
+    s = _scores(q.to(dtype), k.to(dtype), mask, scale)
+    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(s - row_max)
+    total = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p, v.to(dtype)) / torch.where(total > 0, total, torch.ones_like(total))
+    lse = (row_max + torch.log(total)).squeeze(-1)  # log(0) = -inf for fully masked rows
+    return out, lse
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two key sets from each one's (out, lse): exact, NaN-free at -inf."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weight_a = torch.exp(lse_a - finite).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - finite).unsqueeze(-1)
+    return out_a * weight_a + out_b * weight_b, lse
+
+
+def _block_mask(positions: list[torch.Tensor] | None, bounds: list[tuple[int, int] | None], q_rank: int,
+                k_rank: int) -> tuple[bool, torch.Tensor | None]:
+    """(whether any query of `q_rank` sees any key of `k_rank`, the mask or None when all pairs do)."""
+    if bounds[q_rank] is None or bounds[k_rank] is None:  # an empty shard
+        return False, None
+    (q_min, q_max), (k_min, k_max) = bounds[q_rank], bounds[k_rank]
+    if q_max < k_min:
+        return False, None
+    if q_min >= k_max:
+        return True, None
+    return True, positions[q_rank][:, None] >= positions[k_rank][None, :]
+
+
+def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    delta: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) contributions of one key block, from probabilities recomputed with the saved lse.
+
+    q, dout, delta = rowsum(dO * O) (B, h, nq, 1) and lse are already in the compute dtype.
+    """
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1)
+    p = torch.exp(_scores(q, k, mask, scale) - finite)
+    dv = torch.matmul(p.transpose(-2, -1), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta)
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
+
+
+def _shapes(k: torch.Tensor, v: torch.Tensor, n: int) -> list[tuple[int, ...]]:
+    """Shapes of a K and a V block of n tokens."""
+    return [(*k.shape[:-2], n, k.shape[-1]), (*v.shape[:-2], n, v.shape[-1])]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over `axis`: K/V blocks around the ring forward, K/V and dK/dV backward."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
+                positions: list[torch.Tensor] | None) -> torch.Tensor:
+        cp, rank, scale = axis.size, axis.rank, q.shape[-1] ** -0.5
+        bounds = _bounds(positions, sizes)
+        positions = None if positions is None else [p.to(q.device) for p in positions]
+        dtype = compute_dtype(q.dtype)
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
+        kv = [k, v]
+        for step in range(cp):
+            if step < cp - 1:  # start the next block's transfer, then compute on this one
+                arriving = ring_shift(kv, axis, _shapes(k, v, sizes[(rank - step - 1) % cp]), KV_TAG)
+            visible, mask = _block_mask(positions, bounds, rank, (rank - step) % cp)
+            if visible:
+                out, lse = merge(out, lse, *block_attention(q, kv[0], kv[1], mask, scale))
+            if step < cp - 1:
+                kv = arriving()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.axis, ctx.sizes, ctx.positions, ctx.bounds, ctx.scale = axis, sizes, positions, bounds, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, rank = ctx.axis.size, ctx.axis.rank
+        dtype = lse.dtype
+        q_c, dout = q.to(dtype), dout.to(dtype)
+        delta = (dout * out.to(dtype)).sum(dim=-1, keepdim=True)
+        dq = torch.zeros_like(q_c)
+        kv, grads_arriving = [k, v], None
+        for step in range(cp):
+            source, upstream = (rank - step) % cp, (rank - step - 1) % cp
+            if step < cp - 1:
+                kv_arriving = ring_shift(kv, ctx.axis, _shapes(k, v, ctx.sizes[upstream]), KV_TAG)
+            dk, dv = (t.new_zeros(t.shape, dtype=dtype) for t in kv)
+            visible, mask = _block_mask(ctx.positions, ctx.bounds, rank, source)
+            if visible:
+                dq_part, dk, dv = _block_backward(q_c, kv[0], kv[1], dout, delta, lse, mask, ctx.scale)
+                dq += dq_part
+            if grads_arriving is not None:  # what the ranks before this one added to this block
+                dk_up, dv_up = grads_arriving()
+                dk, dv = dk + dk_up, dv + dv_up
+            grads_arriving = ring_shift([dk, dv], ctx.axis, _shapes(dk, dv, ctx.sizes[upstream]), GRAD_TAG)
+            if step < cp - 1:
+                kv = kv_arriving()
+        dk, dv = grads_arriving()  # this rank's own block, summed over every rank's queries
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> list[tuple[int, int] | None]:
+    """(min, max) position of each rank's tokens as ints, None for an empty shard.
+
+    Non-causal attention puts every token at position 0: every block is then fully visible.
+    """
+    if positions is None:
+        return [(0, 0) if n else None for n in sizes]
+    return [(int(p.min()), int(p.max())) if p.numel() else None for p in positions]
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
+                   positions: list[torch.Tensor] | None) -> torch.Tensor:
+    """Exact softmax attention (scale 1/sqrt(d)) of this rank's queries to the keys of every cp rank.
+
+    q, k, v: this rank's shards (B, h, n_r, d), n_r = sizes[axis.rank]. `positions`: None for
+    non-causal attention, else the global positions of each rank's tokens (causal: query i sees key j
+    iff pos_q[i] >= pos_k[j]). Returns (B, h, n_r, d) in q's dtype; differentiable in q, k and v.
+    """
+    assert len(sizes) == axis.size and q.shape[-2] == k.shape[-2] == v.shape[-2] == sizes[axis.rank], \
+        f"sizes {sizes} do not match the local length {q.shape[-2]} on rank {axis.rank} of {axis.name}"
+    assert positions is None or [p.numel() for p in positions] == list(sizes), "positions do not match sizes"
+    return _RingAttention.apply(q, k, v, axis, list(sizes), positions)

@@ -1,0 +1,103 @@
+"""Context parallelism through `parallelize_context` (distributed/context/): the balancer, and models
+whose sequence is split over cp (alone and with tp) equal the serial model in output, loss, input
+gradient and every weight gradient, for both attention variants, in fp64 on gloo."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed.context.layout import chunk_positions
+from distributed.context.parallelize import parallelize_context
+from distributed.data_parallel import sync_partial_grads
+from distributed.tensor.parallelize import parallelize
+from networks.transformer import GPT, GPTConfig
+from networks.vit import ViT, ViTConfig
+from tests.dist_utils import run_ranks
+from tests.test_parallelize import _compare_grads
+from utils.comm import ParallelConfig, init_grid
+from utils.generate import greedy_decode
+
+BATCH, EMBED, DEPTH = 2, 32, 2
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_balanced_layout_is_a_permutation_with_equal_causal_work(cp):
+    length = 2 * cp * 5
+    positions = chunk_positions(length, cp, balanced=True)
+    assert torch.equal(torch.cat(positions).sort().values, torch.arange(length))  # unshard(shard) = identity
+    keys = torch.arange(length)
+    pairs = {int((p[:, None] >= keys[None, :]).sum()) for p in positions}  # unmasked query-key pairs
+    assert len(pairs) == 1, pairs
+    contiguous = chunk_positions(4050, 4, balanced=False)
+    assert [len(p) for p in contiguous] == [1013, 1013, 1012, 1012]
+
+
+def _vit() -> ViT:
+    torch.manual_seed(0)
+    return ViT(ViTConfig(embed_dim=EMBED, depth=DEPTH, num_heads=4, patch_size=4), (12, 20), 3, 3).double()  # 15 patches
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(embed_dim=EMBED, depth=DEPTH, num_heads=4, max_positions=32), vocab_size=50).double()
+
+
+def _parallel(serial: nn.Module, grid, variant: str, sp: bool) -> nn.Module:
+    model = parallelize(copy.deepcopy(serial), grid=grid, sequence_parallel=sp)
+    return parallelize_context(model, grid=grid, variant=variant)
+
+
+def _sum_over_cp(model: nn.Module, grid) -> None:
+    """What the data-parallel reduction does with cp: sum every gradient over cp (after tp's partial sync)."""
+    sync_partial_grads(model)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=grid.axis("cp").group)
+
+
+def _check_vit(grid, variant: str, sp: bool) -> None:
+    serial = _vit()
+    parallel = _parallel(serial, grid, variant, sp)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 3, 12, 20, generator=gen, dtype=torch.float64)
+    y_ref, y = serial(x), parallel(x)
+    torch.testing.assert_close(y, y_ref)
+    loss_ref, loss = serial.criterion(y_ref, x), parallel.criterion(y, x)
+    torch.testing.assert_close(loss, loss_ref)
+    loss_ref.backward()
+    loss.backward()
+    _sum_over_cp(parallel, grid)
+    _compare_grads(serial, parallel, grid.axis("tp"))
+
+
+def _check_gpt(grid, variant: str, sp: bool) -> None:
+    serial = _gpt()
+    parallel = _parallel(serial, grid, variant, sp)
+    gen = torch.Generator().manual_seed(2)
+    idx, targets = torch.randint(0, 50, (BATCH, 16), generator=gen), torch.randint(0, 50, (BATCH, 16), generator=gen)
+    loss_ref, loss = serial.loss(idx, targets), parallel.loss(idx, targets)
+    torch.testing.assert_close(loss, loss_ref)
+    loss_ref.backward()
+    loss.backward()
+    _sum_over_cp(parallel, grid)
+    _compare_grads(serial, parallel, grid.axis("tp"))
+    prompts = torch.randint(0, 50, (2, 5), generator=gen)
+    want = greedy_decode(serial, prompts, 6, tp=init_grid(ParallelConfig()).axis("tp"))
+    assert torch.equal(greedy_decode(parallel, prompts, 6, tp=grid.axis("tp")), want)
+
+
+def _context_checks(rank: int, world_size: int, tp: int) -> None:
+    grid = init_grid(ParallelConfig(tp=tp, cp=world_size // tp))
+    for variant in ("allgather", "ring"):
+        for sp in ((False, True) if tp > 1 else (True,)):
+            _check_vit(grid, variant, sp)
+            _check_gpt(grid, variant, sp)
+
+
+@pytest.mark.parametrize("world_size,tp", [(2, 1), (4, 1), (4, 2)])
+def test_context_parallel_models_match_serial(world_size, tp, tmp_path):
+    run_ranks(_context_checks, world_size, tmp_path, tp, timeout_s=180)

@@ -1,0 +1,146 @@
+"""Ring attention (distributed/context/ring.py): the block math, cp=1, then cp=2 and 4 on gloo ranks.
+
+Every distributed case is compared in float64 with serial `scaled_dot_product_attention` over the
+full sequence in global order: the output and dQ, dK, dV of each rank's own tokens, and the bytes
+counted on the cp axis after forward and after backward against the docstring's formula.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed.collectives import split_sizes
+from distributed.context.ring import _block_mask, _bounds, block_attention, merge, ring_attention
+from tests.dist_utils import run_ranks
+from utils.comm import AxisGroup
+
+B, H, D = 2, 2, 8
+TOL = 1e-10
+
+
+def _qkv(n: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> list[torch.Tensor]:
+    """Full-sequence q, k, v and an output gradient, (B, H, n, D)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, D, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4)]
+
+
+def _reference(q, k, v, grad, causal: bool) -> list[torch.Tensor]:
+    """Serial SDPA over the full sequence: output, dQ, dK, dV (float64)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out.backward(grad.double())
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _positions(n: int, cp: int, balanced: bool) -> list[torch.Tensor]:
+    """Global positions of each rank's tokens: 2cp chunks, rank r holding r and 2cp-1-r, or contiguous."""
+    parts = 2 * cp if balanced else cp
+    chunks = list(torch.arange(n).split(split_sizes(n, parts)))
+    if not balanced:
+        return chunks
+    return [torch.cat([chunks[r], chunks[parts - 1 - r]]) for r in range(cp)]
+
+
+def _expected_bytes(sizes: list[int], rank: int, elem: int, accum_elem: int) -> tuple[int, int]:
+    """(forward, forward + backward) bytes rank `rank` sends, as the ring module's docstring states."""
+    cp = len(sizes)
+    block = [B * H * n * D for n in sizes]  # elements of one K (or V) block of each rank
+    forward = sum(2 * block[(rank - s) % cp] * elem for s in range(cp - 1))
+    grads = sum(2 * block[(rank - s) % cp] * accum_elem for s in range(cp))
+    return forward, 2 * forward + grads
+
+
+def _check_case(axis: AxisGroup, n: int, causal: bool, balanced: bool, dtype: torch.dtype) -> None:
+    """One layout on this rank: output, gradients of its own tokens and bytes against the reference."""
+    q, k, v, grad = _qkv(n, dtype, seed=n + 100 * causal)
+    ref = _reference(q, k, v, grad, causal)
+    positions = _positions(n, axis.size, balanced)
+    mine = positions[axis.rank]
+    sizes = [len(p) for p in positions]
+    local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    axis.bytes_moved = 0
+    out = ring_attention(*local, axis, sizes, positions if causal else None)
+    accum = torch.float32 if dtype == torch.bfloat16 else dtype
+    fwd_bytes, total_bytes = _expected_bytes(sizes, axis.rank, q.element_size(), accum.itemsize)
+    assert axis.bytes_moved == fwd_bytes
+    out.backward(grad[:, :, mine])
+    assert axis.bytes_moved == total_bytes
+    tol = TOL if dtype == torch.float64 else 3e-2
+    assert out.dtype == dtype and all(t.grad.dtype == dtype for t in local)
+    for got, want in zip([out] + [t.grad for t in local], ref, strict=True):
+        torch.testing.assert_close(got.double(), want[:, :, mine], rtol=tol, atol=tol)
+
+
+def _cases(cp: int) -> list[tuple[int, bool, bool, torch.dtype]]:
+    """(n, causal, balanced layout, dtype): even and uneven lengths, causal and not."""
+    f64 = torch.float64
+    return [(6 * cp, True, True, f64), (6 * cp + 3, True, True, f64),  # balanced, even and uneven chunks
+            (4 * cp + 1, True, False, f64),  # contiguous causal: fully masked blocks are skipped
+            (4 * cp, False, False, f64), (4 * cp + 3, False, False, f64),  # non-causal, even and uneven
+            (4 * cp, True, True, torch.bfloat16)]  # half precision: dK/dV travel in float32
+
+
+def _ring_ranks(rank: int, world_size: int) -> None:
+    axis = AxisGroup("cp", world_size, rank, dist.group.WORLD, list(range(world_size)))
+    for case in _cases(world_size):
+        _check_case(axis, *case)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_matches_serial_sdpa(cp, tmp_path):
+    run_ranks(_ring_ranks, cp, tmp_path)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cp1_equals_sdpa(causal):
+    n = 11
+    q, k, v, grad = _qkv(n)
+    ref = _reference(q, k, v, grad, causal)
+    axis = AxisGroup("cp", 1, 0)
+    local = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, axis, [n], [torch.arange(n)] if causal else None)
+    out.backward(grad)
+    assert axis.bytes_moved == 0
+    for got, want in zip([out] + [t.grad for t in local], ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
+def test_block_split_and_merge_equals_one_block():
+    q, k, v, _ = _qkv(10)
+    mask = torch.rand(10, 10, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[:, 0] = True  # every row sees at least one key
+    whole = block_attention(q, k, v, mask, 0.3)
+    left = block_attention(q, k[:, :, :4], v[:, :, :4], mask[:, :4], 0.3)
+    right = block_attention(q, k[:, :, 4:], v[:, :, 4:], mask[:, 4:], 0.3)
+    for got, want in zip(merge(*left, *right), whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    scores = (q @ k.transpose(-2, -1) * 0.3).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(whole[0], scores.softmax(-1) @ v, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(whole[1], scores.logsumexp(-1), rtol=TOL, atol=TOL)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan():
+    q, k, v, _ = _qkv(6)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[2] = False
+    out, lse = block_attention(q, k, v, mask, 0.5)
+    assert not out.isnan().any() and (out[:, :, 2] == 0).all()
+    assert (lse[:, :, 2] == float("-inf")).all() and torch.isfinite(lse[:, :, [0, 1, 3, 4, 5]]).all()
+    empty = block_attention(q, k, v, torch.zeros(6, 6, dtype=torch.bool), 0.5)
+    merged, merged_lse = merge(*empty, *empty)  # -inf on both sides
+    assert not merged.isnan().any() and (merged_lse == float("-inf")).all()
+    torch.testing.assert_close(merge(out, lse, *empty)[0], out, rtol=0, atol=0)
+
+
+def test_block_masks_skip_and_drop_the_mask():
+    """Contiguous causal shards: a later rank's keys are skipped, an earlier rank's need no mask."""
+    positions = _positions(12, 3, balanced=False)
+    bounds = _bounds(positions, [4, 4, 4])
+    assert _block_mask(positions, bounds, 0, 1) == (False, None)
+    assert _block_mask(positions, bounds, 2, 0) == (True, None)
+    visible, mask = _block_mask(positions, bounds, 1, 1)
+    assert visible and torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert _block_mask(None, _bounds(None, [4, 0, 4]), 0, 1) == (False, None)  # an empty shard
