@@ -125,6 +125,13 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
     reference, tmp = gpt_reference
     run_dir = run_layout(tmp, layout, GPT, f"data.root={corpus_root}", *LAYOUTS[layout])
     assert_same_curve(reference, curves(run_dir))
+    if layout == "cp2":  # exact: the ring's K/V blocks, the gradient all-reduce, the loss mean, the flags
+        cfg, _, _ = load_config([*GPT, f"data.root={corpus_root}"])
+        params = sum(p.numel() for p in build_task(cfg).build_model().parameters())
+        block = 8 * cfg.model.embed_dim * (cfg.data.seq_len // 2) * 4  # one rank's K (or V): B x D x S/cp, fp32
+        ring = (2 * (2 - 1) + (4 * 2 - 2)) * block  # forward (cp-1) x 2 blocks, backward (4cp-2) blocks
+        want = cfg.model.depth * ring + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
+        assert [v for _, v in read_scalars(run_dir)["comm/cp_bytes"]] == [want] * STEPS
 
 
 def test_gpt_uneven_splits(tmp_path, corpus_root):

@@ -3,7 +3,9 @@
 Builds the trainer with `utils.build.build_trainer`, the setup train.py uses (any layout under torchrun),
 feeds random batches of the training shapes (no data files needed), runs `--warmup` steps, times
 `--steps` steps of Trainer.train_step and prints one markdown table row: samples/s, tokens/s,
-TFLOP/s per device, MFU, peak memory, with device and date.
+TFLOP/s per device, MFU, peak memory, the activation memory this rank keeps for backward (the bytes
+of the tensors autograd saves in one micro-batch's forward, weights excluded: what tp, cp and
+activation checkpointing shrink), with device and date. Under torchrun every rank prints its row.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from utils.tasks import build_task
 from utils.trainer import peak_memory_gib
 
 HEADER = ("| date | device | model | precision | compile | layout | global batch | samples/s | tokens/s "
-          "| TFLOP/s per device | MFU | peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| TFLOP/s per device | MFU | peak GiB | saved for backward MiB |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def parse_counts(argv: list[str]) -> tuple[int, int, list[str]]:
@@ -65,6 +68,23 @@ def time_steps(trainer, warmup: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def saved_for_backward_bytes(trainer, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves in one forward of the loss of micro-batch (x, y) on this
+    rank, each storage once, parameters excluded (the unwrapped model: no data-parallel hooks run)."""
+    params = {p.untyped_storage().data_ptr() for p in trainer.raw_model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer.autocast():
+        trainer.raw_model.criterion(trainer.raw_model(x), y)
+    return sum(saved.values())
+
+
 def run(argv: list[str]) -> str:
     warmup, steps, argv = parse_counts(argv)
     cfg, choices, _ = load_config(argv)
@@ -73,13 +93,16 @@ def run(argv: list[str]) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(cfg, task, grid, logging.getLogger("dlscale"), Path(tmp))
         seconds = time_steps(trainer, warmup, steps)
+        micro = trainer.tc.global_batch_size // trainer.grid.size(Axis.DP) // trainer.tc.grad_accum_steps
+        saved = saved_for_backward_bytes(trainer, *trainer.task.example_batch(micro, grid.device))
     perf = trainer.throughput(seconds)
     utilization = perf.get("perf/mfu")
     return (f"| {datetime.date.today()} | {device_name(grid.device)} | {choices['model']} | {cfg.precision.mode} "
             f"| {cfg.precision.compile} | {grid.name} | {cfg.trainer.global_batch_size} "
             f"| {perf['perf/samples_per_sec']:.1f} | {perf['perf/tokens_per_sec']:.0f} "
             f"| {perf['perf/tflops_per_sec']:.1f} "
-            f"| {'n/a' if utilization is None else f'{100 * utilization:.1f}%'} | {peak_memory_gib(grid.device):.2f} |")
+            f"| {'n/a' if utilization is None else f'{100 * utilization:.1f}%'} | {peak_memory_gib(grid.device):.2f} "
+            f"| {saved / 2**20:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
