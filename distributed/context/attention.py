@@ -10,7 +10,8 @@ this tp rank), in the layout of `distributed/context/layout.py`.
 - `ring` (`distributed/context/ring.py`): K/V blocks travel around the ring while each rank computes
   blockwise attention with the log-sum-exp and merges exactly; the full K/V is never held.
 
-Both return exactly what single-process attention gives for this rank's queries.
+Both return exactly what single-process attention gives for this rank's queries. Under torch.compile
+`allgather` traces into the block's one graph; `ring` runs eagerly between two graphs of the block.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ from distributed.context.ring import ring_attention
 from distributed.mappings import all_gather_region
 
 VARIANTS = ("allgather", "ring")
+
+
+@torch.compiler.disable
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShards, causal: bool) -> torch.Tensor:
+    """The ring runs eagerly between compiled graphs: its point-to-point hops and the block plan it
+    derives from the positions (Python ints) are not traceable. One graph break per attention layer."""
+    return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions if causal else None)
 
 
 class ContextParallelAttention(nn.Module):
@@ -42,7 +50,7 @@ class ContextParallelAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shards = self.shards
         if self.variant == "ring":
-            return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions if self.causal else None)
+            return _ring(q, k, v, shards, self.causal)
         k_all = all_gather_region(k, shards.axis, 2, shards.sizes)  # (B, h, N, d) in rank order
         v_all = all_gather_region(v, shards.axis, 2, shards.sizes)
         mask = None
