@@ -114,10 +114,39 @@ def _check_compile(grid) -> None:
             torch.testing.assert_close(got, want)
 
 
+def _check_dropout_streams(grid, sp: bool) -> None:
+    """Dropout masks (allgather, dropout 0.5): two ranks of the tp x cp group draw the same mask exactly
+    where the activation is replicated between them: the embedding's everywhere, the residual/MLP ones
+    across tp without sequence parallelism; and the attention cores fork over (tp, cp)."""
+    group, tp, cp = grid.axis("tp", "cp"), grid.axis("tp"), grid.axis("cp")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(embed_dim=EMBED, depth=DEPTH, num_heads=4, max_positions=32, dropout=0.5), vocab_size=50)
+    model = parallelize_context(parallelize(model, grid=grid, sequence_parallel=sp), grid=grid, variant="allgather")
+    assert all(b.attn.attend.axes == (tp, cp) for b in model.blocks)
+    masks: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout):
+            module.register_forward_hook(lambda m, args, out, name=name: masks.__setitem__(name, (out == 0) & (args[0] != 0)))
+    torch.manual_seed(1)  # one default stream per replica, as utils.build seeds it
+    model.train().loss(torch.randint(0, 50, (BATCH, 16)), torch.randint(0, 50, (BATCH, 16)))
+    for name, mask in masks.items():
+        parts = [torch.empty_like(mask, dtype=torch.int32) for _ in range(group.size)]
+        dist.all_gather(parts, mask.int(), group=group.group)
+        mine = group.ranks.index(dist.get_rank())
+        for other, rank in enumerate(group.ranks):
+            same_cp_shard = rank in tp.ranks  # my tp group: the same cp coordinate
+            want = "embed" in name or (not sp and same_cp_shard)
+            if other != mine:
+                assert torch.equal(parts[other], parts[mine]) == want, (name, rank, want)
+
+
 def _context_checks(rank: int, world_size: int, tp: int) -> None:
     grid = init_grid(ParallelConfig(tp=tp, cp=world_size // tp))
     if world_size == 2:
         _check_compile(grid)
+    if world_size == 2 or tp > 1:
+        for sp in (False, True):
+            _check_dropout_streams(grid, sp)
     for variant in ("allgather", "ring"):
         for sp in ((False, True) if tp > 1 else (True,)):
             _check_vit(grid, variant, sp)

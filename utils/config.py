@@ -79,9 +79,9 @@ class Config:
             require(data.seq_len % (2 * cp) == 0, f"data.seq_len={data.seq_len} is not a multiple of 2 x parallel.cp="
                     f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
                     f"use a multiple of {2 * cp}")
-        require(model.dropout == 0 or cp == 1, f"model.dropout={model.dropout} with parallel.cp={cp} is not "
-                "supported yet (the context-parallel attention has no dropout)", "model.dropout",
-                "set model.dropout=0 with parallel.cp>1")
+        require(model.dropout == 0 or cp == 1 or self.parallel.cp_attention == "allgather",
+                f"model.dropout={model.dropout} with parallel.cp={cp}: ring attention has no dropout",
+                "parallel.cp_attention", "use parallel.cp_attention=allgather, or model.dropout=0")
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
                 "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
                 "multiple of parallel.tp")

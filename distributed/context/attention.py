@@ -37,15 +37,15 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShar
 class ContextParallelAttention(nn.Module):
     """Drop-in for `networks.blocks.ScaledDotProductAttention` under context parallelism."""
 
-    def __init__(self, shards: ContextShards, causal: bool, variant: str):
+    def __init__(self, shards: ContextShards, causal: bool, variant: str, dropout: float = 0.0):
         super().__init__()
         assert variant in VARIANTS, variant
-        self.shards, self.causal, self.variant = shards, causal, variant
+        assert variant == "allgather" or dropout == 0, "ring attention has no dropout (refused by utils.config)"
+        self.shards, self.causal, self.variant, self.dropout = shards, causal, variant, dropout
 
     @classmethod
     def from_serial(cls, core: nn.Module, shards: ContextShards, variant: str) -> ContextParallelAttention:
-        assert getattr(core, "dropout", 0.0) == 0, "attention dropout under cp is refused by utils.config"
-        return cls(shards, core.causal, variant)
+        return cls(shards, core.causal, variant, core.dropout)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shards = self.shards
@@ -56,7 +56,8 @@ class ContextParallelAttention(nn.Module):
         mask = None
         if self.causal:  # query i sees key j iff pos(i) >= pos(j); keys are in rank order
             mask = shards.local_positions[:, None] >= torch.cat(shards.positions)[None, :]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        p = self.dropout if self.training else 0.0  # on a stream per shard: parallelize_context wraps it
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=p)
 
     def extra_repr(self) -> str:
         return f"cp={self.shards.axis.size}, causal={self.causal}, variant={self.variant}"

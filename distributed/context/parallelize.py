@@ -12,7 +12,10 @@ the grid's cp axis:
 - the 'output' marker (the ViT, after its head): the per-token outputs are gathered back into the
   full sequence, so the model's output and loss are the single-process ones on every cp rank;
 - without an 'output' marker (the LM), the criterion sees this rank's tokens: `ContextParallelLoss`
-  takes the matching targets and averages the per-rank means over cp.
+  takes the matching targets and averages the per-rank means over cp;
+- dropouts inside the region (attention, residual, MLP) act on cp-sharded activations and draw a mask
+  per shard over (tp, cp) or (cp) (`distributed/rng.py`); the embeddings' dropout, before the split,
+  keeps the default stream, replicated over cp.
 
 Gradients: every weight sees only this rank's tokens, so its gradient is partial over cp; the loss is
 the same on every cp rank, so the data-parallel reduction sums over cp and averages over dp
@@ -27,9 +30,10 @@ from torch import nn
 from distributed.context.attention import ContextParallelAttention
 from distributed.context.layout import ContextShards
 from distributed.mappings import reduce_from_region
+from distributed.rng import ShardedRandom, per_shard
 from distributed.tensor.layers import ScatterSequence
-from networks.blocks import Attention, SequenceRegion
-from utils.comm import Axis, Grid
+from networks.blocks import MLP, Attention, Block, SequenceRegion
+from utils.comm import Axis, AxisGroup, Grid
 
 
 class EnterContext(nn.Module):
@@ -76,12 +80,36 @@ def parallelize_context(model: nn.Module, *, grid: Grid, variant: str) -> nn.Mod
     axis = grid.axis(Axis.CP)
     if axis.size == 1:
         return model
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    causal = any(a.attend.causal for a in attentions)
+    causal = any(_core(m.attend).causal for m in model.modules() if isinstance(m, Attention))
     shards = ContextShards(axis, balanced=causal)
-    for attention in attentions:
-        attention.attend = ContextParallelAttention.from_serial(attention.attend, shards, variant)
-        attention.positions = shards
+    _swap_attention_and_dropouts(model, shards, variant, grid.axis(Axis.TP))
+    if not _swap_regions(model, shards):
+        model.criterion = ContextParallelLoss(model.criterion, shards)
+    model.context_shards = shards
+    return model
+
+
+def _core(module: nn.Module) -> nn.Module:
+    """The module inside tp's per-shard dropout stream, if it has one."""
+    return module.inner if isinstance(module, ShardedRandom) else module
+
+
+def _swap_attention_and_dropouts(model: nn.Module, shards: ContextShards, variant: str, tp: AxisGroup) -> None:
+    """cp attention cores reading the token layout; per-shard dropout streams inside the region."""
+    cp = shards.axis
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            core = ContextParallelAttention.from_serial(_core(module.attend), shards, variant)
+            module.attend = per_shard(core, (tp, cp))
+            module.positions = shards
+        if isinstance(module, (Block, MLP)):  # tokens split over cp (and over tp under sequence parallelism)
+            split_by_tp = isinstance(module.drop, ShardedRandom)
+            module.drop = per_shard(_core(module.drop), (tp, cp) if split_by_tp else (cp,))
+
+
+def _swap_regions(model: nn.Module, shards: ContextShards) -> bool:
+    """The 'enter' marker (or tp's split there) keeps this rank's tokens first; the 'output' marker
+    gathers them. Returns whether the model has an 'output' marker."""
     found = {"enter": 0, "output": 0}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -92,7 +120,4 @@ def parallelize_context(model: nn.Module, *, grid: Grid, variant: str) -> nn.Mod
                 setattr(parent, name, GatherContext(shards, child.seq_dim))
                 found["output"] += 1
     assert found["enter"] == 1, f"context parallelism needs exactly one 'enter' region, found {found['enter']}"
-    if not found["output"]:
-        model.criterion = ContextParallelLoss(model.criterion, shards)
-    model.context_shards = shards
-    return model
+    return found["output"] > 0
