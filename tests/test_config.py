@@ -56,6 +56,10 @@ def test_every_preset_composes():
     (["data.img_size=[32,62]"], "data.img_size"),  # not a multiple of the patch (4)
     (["parallel=tp8"], "parallel.tp"),  # 4 heads over 8 ranks
     (["run.tag=a/b"], "run.tag"),  # a tag is a name, not a path
+    (["model=gpt_tiny", "data=wikitext_sample", "parallel.cp=2", "data.seq_len=30"], "data.seq_len"),  # 2cp chunks
+    (["data.img_size=[4,4]", "parallel.cp=2"], "parallel.cp"),  # one patch over two ranks
+    (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp_attention"),  # the ring has no dropout
+    (["parallel.cp_attention=striped"], "parallel.cp_attention"),
 ])
 def test_rules_between_groups(overrides, setting):
     with pytest.raises(ConfigError) as info:
