@@ -45,7 +45,7 @@ def launch_env(environ=os.environ) -> LaunchEnv:
 def restart_warning(environ=os.environ) -> str | None:
     """A warning for torchrun --max-restarts when it shares its rendezvous store with the ranks (its
     default): a restarted round can read the previous round's addresses and fail to connect (torch
-    issue 135712; here 2 of 4 restarts on CPU/gloo failed with 'Connection refused', none with the fix)."""
+    issue 135712; here 3 of 4 restarts on CPU/gloo failed with 'Connection refused', none with the fix)."""
     if int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return ("torchrun --max-restarts shares its rendezvous store with the ranks, so a restart can fail to "
                 "connect (torch issue 135712): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun")
