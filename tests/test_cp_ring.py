@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed.collectives import split_sizes
-from distributed.context.ring import _block_mask, _bounds, block_attention, merge, ring_attention
+from distributed.context.ring import _block_mask, block_attention, merge, position_bounds, ring_attention
 from tests.dist_utils import run_ranks
 from utils.comm import AxisGroup
 
@@ -138,9 +138,9 @@ def test_fully_masked_rows_give_zero_and_no_nan():
 def test_block_masks_skip_and_drop_the_mask():
     """Contiguous causal shards: a later rank's keys are skipped, an earlier rank's need no mask."""
     positions = _positions(12, 3, balanced=False)
-    bounds = _bounds(positions, [4, 4, 4])
+    bounds = position_bounds(positions, [4, 4, 4])
     assert _block_mask(positions, bounds, 0, 1) == (False, None)
     assert _block_mask(positions, bounds, 2, 0) == (True, None)
     visible, mask = _block_mask(positions, bounds, 1, 1)
     assert visible and torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())
-    assert _block_mask(None, _bounds(None, [4, 0, 4]), 0, 1) == (False, None)  # an empty shard
+    assert _block_mask(None, position_bounds(None, [4, 0, 4]), 0, 1) == (False, None)  # an empty shard

@@ -120,7 +120,8 @@ def test_kill_9_around_saves_then_resume_reproduces_the_run(tmp_path, era5_root)
     finishes from the newest complete checkpoint, and the losses equal the uninterrupted run's bitwise."""
     import signal
 
-    common = ["trainer.max_steps=12", "trainer.val_every=0", "trainer.ckpt_every=1"]
+    common = ["trainer.max_steps=12", "trainer.val_every=0", "trainer.ckpt_every=1",
+              "trainer.num_workers=0"]  # five launches: the data workers are exercised by the tests above
     full, _ = train(tmp_path, era5_root, "full", *common)
     run_dir = tmp_path / "killed"
     args = [f"data.root={era5_root}", f"run.dir={run_dir}", *TINY, *common]

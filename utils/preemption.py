@@ -11,10 +11,12 @@ EXIT_LATE instead of waiting for SIGKILL. A second Ctrl-C interrupts at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 
 EXIT_PREEMPTED = 75  # a checkpoint of the step reached was written: requeue or re-run to continue
 EXIT_LATE = 76  # the deadline passed before the checkpoint was complete: the previous one stands
@@ -26,6 +28,18 @@ def ignore_stop_signals(_worker_id: int = 0) -> None:
     a worker that died of SIGTERM would fail the trainer's last fetch). Workers exit with their parent."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Hold the stop signals back while helper processes start (the forkserver, the resource tracker):
+    they inherit the blocked mask across exec and so survive a signal sent to every process of a job
+    (Slurm's SIGUSR1 included), while this process receives what arrived once the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class StopRequest:

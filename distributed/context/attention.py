@@ -31,7 +31,9 @@ VARIANTS = ("allgather", "ring")
 def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShards, causal: bool) -> torch.Tensor:
     """The ring runs eagerly between compiled graphs: its point-to-point hops and the block plan it
     derives from the positions (Python ints) are not traceable. One graph break per attention layer."""
-    return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions if causal else None)
+    if not causal:
+        return ring_attention(q, k, v, shards.axis, shards.sizes, None)
+    return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions, shards.bounds)
 
 
 class ContextParallelAttention(nn.Module):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from distributed.context.ring import position_bounds
 from distributed.mappings import gather_from_region
 from utils.comm import AxisGroup
 from utils.errors import require
@@ -39,7 +40,7 @@ class ContextShards:
         self.axis, self.balanced = axis, balanced
         self.multiple = 2 * axis.size if balanced else 1  # a sequence length must be a multiple of this
         self.length = 0
-        self._cache: dict[tuple[int, str], tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._cache: dict[tuple[int, str], tuple[list[torch.Tensor], torch.Tensor, list]] = {}
 
     def enter(self, length: int, device: torch.device) -> None:
         """Fix the layout for sequences of `length` tokens on `device`."""
@@ -49,10 +50,12 @@ class ContextShards:
                 f"use a sequence length that is a multiple of {self.multiple} (and at least cp)")
         key = (length, str(device))
         if key not in self._cache:
-            positions = [p.to(device) for p in chunk_positions(length, self.axis.size, self.balanced)]
-            self._cache[key] = positions, torch.argsort(torch.cat(positions))
+            host = chunk_positions(length, self.axis.size, self.balanced)
+            positions = [p.to(device) for p in host]
+            bounds = position_bounds(host, [len(p) for p in host])  # on the host: no device sync per layer
+            self._cache[key] = positions, torch.argsort(torch.cat(positions)), bounds
         self.length = length
-        self.positions, self._order = self._cache[key]
+        self.positions, self._order, self.bounds = self._cache[key]  # bounds: (min, max) position per rank
         self.sizes = [len(p) for p in self.positions]
 
     @property

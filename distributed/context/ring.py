@@ -127,9 +127,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
-                positions: list[torch.Tensor] | None) -> torch.Tensor:
+                positions: list[torch.Tensor] | None, bounds: list[tuple[int, int] | None]) -> torch.Tensor:
         cp, rank, scale = axis.size, axis.rank, q.shape[-1] ** -0.5
-        bounds = _bounds(positions, sizes)
         positions = None if positions is None else [p.to(q.device) for p in positions]
         dtype = compute_dtype(q.dtype)
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)
@@ -173,10 +172,10 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv = kv_arriving()
         dk, dv = grads_arriving()  # this rank's own block, summed over every rank's queries
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> list[tuple[int, int] | None]:
+def position_bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> list[tuple[int, int] | None]:
     """(min, max) position of each rank's tokens as ints, None for an empty shard.
 
     Non-causal attention puts every token at position 0: every block is then fully visible.
@@ -187,14 +186,18 @@ def _bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> list[tupl
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
-                   positions: list[torch.Tensor] | None) -> torch.Tensor:
+                   positions: list[torch.Tensor] | None,
+                   bounds: list[tuple[int, int] | None] | None = None) -> torch.Tensor:
     """Exact softmax attention (scale 1/sqrt(d)) of this rank's queries to the keys of every cp rank.
 
     q, k, v: this rank's shards (B, h, n_r, d), n_r = sizes[axis.rank]. `positions`: None for
     non-causal attention, else the global positions of each rank's tokens (causal: query i sees key j
-    iff pos_q[i] >= pos_k[j]). Returns (B, h, n_r, d) in q's dtype; differentiable in q, k and v.
+    iff pos_q[i] >= pos_k[j]). `bounds`: `position_bounds(positions, sizes)` when the caller keeps them
+    (computed here otherwise: on a GPU that reads the positions back, a sync). Returns (B, h, n_r, d) in
+    q's dtype; differentiable in q, k and v.
     """
     assert len(sizes) == axis.size and q.shape[-2] == k.shape[-2] == v.shape[-2] == sizes[axis.rank], \
         f"sizes {sizes} do not match the local length {q.shape[-2]} on rank {axis.rank} of {axis.name}"
     assert positions is None or [p.numel() for p in positions] == list(sizes), "positions do not match sizes"
-    return _RingAttention.apply(q, k, v, axis, list(sizes), positions)
+    bounds = bounds if bounds is not None else position_bounds(positions, sizes)
+    return _RingAttention.apply(q, k, v, axis, list(sizes), positions, bounds)

@@ -9,6 +9,8 @@ on dp, tp, cp, pp or order, and a resumed run continues from its step with no sa
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils.errors import require
-from utils.preemption import ignore_stop_signals
+from utils.preemption import ignore_stop_signals, stop_signals_blocked
 
 WORKER_STARTS = ("forkserver", "spawn", "fork")  # multiprocessing start methods for data workers
 
@@ -80,11 +82,17 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
     `worker_start`: how worker processes start. By the time the loaders start their workers a rank
     runs gloo/NCCL, OpenMP and TensorBoard threads; `fork` copies the process in whatever state those
     threads left the heap and the libraries' globals (HDF5's among them), which is not safe in a
-    threaded process. `forkserver` (default) forks workers from a clean single-threaded server, at the
-    cost of importing the dataset's modules once per worker (persistent workers: once per run).
+    threaded process. `forkserver` (default) forks workers from a clean single-threaded server, started
+    here with the stop signals blocked, so that neither it nor its workers die of a signal sent to every
+    process of a job (`spawn` workers have that window until their init function ignores the signals).
     """
     sampler = GlobalBatchSampler(len(train_set), global_batch_size, dp_rank, dp_size, seed, start_step)
     context = multiprocessing.get_context(worker_start) if num_workers > 0 else None
+    if worker_start != "fork" and num_workers > 0:
+        with stop_signals_blocked():
+            multiprocessing.resource_tracker.ensure_running()
+            if worker_start == "forkserver":
+                multiprocessing.forkserver.ensure_running()
     workers = {"num_workers": num_workers, "pin_memory": pin_memory, "persistent_workers": num_workers > 0,
                "worker_init_fn": ignore_stop_signals if num_workers > 0 else None, "multiprocessing_context": context}
     if num_workers > 0:
