@@ -4,7 +4,9 @@ import pytest
 
 from tests.conftest import read_scalars, read_tags, run_entry
 
-TINY = ["trainer.log_every=10", "trainer.num_workers=1", "trainer.global_batch_size=8"]
+# One data worker, forked (the fastest start; the default forkserver start costs ~3.5 s per launch here and
+# is exercised where it matters: the job-wide SIGUSR1 below and tests/test_launch.py).
+TINY = ["trainer.log_every=10", "trainer.num_workers=1", "trainer.worker_start=fork", "trainer.global_batch_size=8"]
 
 
 def train(tmp_path, era5_root, name, *args):
@@ -106,6 +108,8 @@ def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tm
     full, _ = train(tmp_path, era5_root, "full", *common)
     run_dir = tmp_path / "stopped"
     args = [f"data.root={era5_root}", f"run.dir={run_dir}", *TINY, *common]
+    if group:  # the default start: the forkserver and its worker must survive a signal to every process
+        args.append("trainer.worker_start=forkserver")
     status, seconds, out = run_until_signalled(args, 4, getattr(signal, signame), group=group)
     assert status == EXIT_PREEMPTED and seconds < 30, out[-2000:]
     step = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
