@@ -53,11 +53,16 @@ def _parallel(serial: nn.Module, grid, variant: str, sp: bool) -> nn.Module:
     return parallelize_context(model, grid=grid, variant=variant)
 
 
-def _sum_over_cp(model: nn.Module, grid) -> None:
-    """What the data-parallel reduction does with cp: sum every gradient over cp (after tp's partial sync)."""
-    sync_partial_grads(model)
-    for p in model.parameters():
+def _backward_and_compare(serial: nn.Module, parallel: nn.Module, loss_ref, loss, grid) -> None:
+    """Equal losses; after what the data-parallel reduction does with cp (sum every gradient over cp,
+    after tp's partial sync), every weight gradient equals the serial one."""
+    torch.testing.assert_close(loss, loss_ref)
+    loss_ref.backward()
+    loss.backward()
+    sync_partial_grads(parallel)
+    for p in parallel.parameters():
         dist.all_reduce(p.grad, group=grid.axis("cp").group)
+    _compare_grads(serial, parallel, grid.axis("tp"))
 
 
 def _check_vit(grid, variant: str, sp: bool) -> None:
@@ -67,12 +72,7 @@ def _check_vit(grid, variant: str, sp: bool) -> None:
     x = torch.randn(BATCH, 3, 12, 20, generator=gen, dtype=torch.float64)
     y_ref, y = serial(x), parallel(x)
     torch.testing.assert_close(y, y_ref)
-    loss_ref, loss = serial.criterion(y_ref, x), parallel.criterion(y, x)
-    torch.testing.assert_close(loss, loss_ref)
-    loss_ref.backward()
-    loss.backward()
-    _sum_over_cp(parallel, grid)
-    _compare_grads(serial, parallel, grid.axis("tp"))
+    _backward_and_compare(serial, parallel, serial.criterion(y_ref, x), parallel.criterion(y, x), grid)
 
 
 def _check_gpt(grid, variant: str, sp: bool) -> None:
@@ -80,12 +80,7 @@ def _check_gpt(grid, variant: str, sp: bool) -> None:
     parallel = _parallel(serial, grid, variant, sp)
     gen = torch.Generator().manual_seed(2)
     idx, targets = torch.randint(0, 50, (BATCH, 16), generator=gen), torch.randint(0, 50, (BATCH, 16), generator=gen)
-    loss_ref, loss = serial.loss(idx, targets), parallel.loss(idx, targets)
-    torch.testing.assert_close(loss, loss_ref)
-    loss_ref.backward()
-    loss.backward()
-    _sum_over_cp(parallel, grid)
-    _compare_grads(serial, parallel, grid.axis("tp"))
+    _backward_and_compare(serial, parallel, serial.loss(idx, targets), parallel.loss(idx, targets), grid)
     prompts = torch.randint(0, 50, (2, 5), generator=gen)
     want = greedy_decode(serial, prompts, 6, tp=init_grid(ParallelConfig()).axis("tp"))
     assert torch.equal(greedy_decode(parallel, prompts, 6, tp=grid.axis("tp")), want)
