@@ -5,7 +5,7 @@ parallel layers. Conventions it relies on:
 - `Attention.qkv` is one fused projection whose output features are ordered (head, {q,k,v}, head_dim),
   so a contiguous split of the output features gives each tensor-parallel rank whole heads.
 - `Attention.attend` is the attention core on (B, heads, N, head_dim), a module of its own so that
-  context parallelism (planned) can swap it for a distributed one.
+  context parallelism swaps it for a distributed one (distributed/context/attention.py).
 - `SequenceRegion` modules mark where activations enter and leave the sequence-sharded region, and
   (kind 'output') where per-token outputs are complete and a model needs every token again.
 - `Attention.positions`: None, or (context parallelism) an object whose `local_positions` are the

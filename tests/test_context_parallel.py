@@ -40,7 +40,8 @@ def test_balanced_layout_is_a_permutation_with_equal_causal_work(cp):
 
 def _vit() -> ViT:
     torch.manual_seed(0)
-    return ViT(ViTConfig(embed_dim=EMBED, depth=DEPTH, num_heads=4, patch_size=4), (12, 20), 3, 3).double()  # 15 patches
+    cfg = ViTConfig(embed_dim=EMBED, depth=DEPTH, num_heads=4, patch_size=4)
+    return ViT(cfg, (12, 20), 3, 3).double()  # 15 patches: uneven over cp 2 and 4
 
 
 def _gpt() -> GPT:
@@ -93,7 +94,8 @@ def _check_compile(grid) -> None:
         model = _parallel(_gpt(), grid, variant, sp=True)
         shards, block = model.context_shards, model.blocks[0]
         shards.enter(16, torch.device("cpu"))
-        x = shards.shard(torch.randn(BATCH, 16, EMBED, dtype=torch.float64, generator=torch.Generator().manual_seed(3)), 1)
+        full = torch.randn(BATCH, 16, EMBED, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        x = shards.shard(full, 1)
         explanation = torch._dynamo.explain(block)(x)
         if variant == "allgather":
             assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
@@ -121,7 +123,8 @@ def _check_dropout_streams(grid, sp: bool) -> None:
     masks: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout):
-            module.register_forward_hook(lambda m, args, out, name=name: masks.__setitem__(name, (out == 0) & (args[0] != 0)))
+            module.register_forward_hook(
+                lambda m, args, out, name=name: masks.__setitem__(name, (out == 0) & (args[0] != 0)))
     torch.manual_seed(1)  # one default stream per replica, as utils.build seeds it
     model.train().loss(torch.randint(0, 50, (BATCH, 16)), torch.randint(0, 50, (BATCH, 16)))
     for name, mask in masks.items():

@@ -4,10 +4,11 @@ Validation writes continuations with it (utils/tasks.py) and the tests call it o
 parallel models alike. Every step runs the model on a window of one fixed width (prompt plus new
 tokens, at most `max_positions`), right-padded while it fills: the model is causal, so padding never
 changes the logits of earlier positions, and a fixed width compiles one graph. Once the text is longer
-than `max_positions`, the window slides and keeps the last `max_positions` tokens. Under context
-parallelism the width is a multiple of the layout's (2 x cp) and each step gathers the logits over cp. Under tensor
+than `max_positions`, the window slides and keeps the last `max_positions` tokens. Under tensor
 parallelism each rank holds a vocabulary shard of the logits; the last position's shards are gathered
-over tp (a few rows: training never gathers the vocabulary) and every rank picks the same token.
+over tp (a few rows: training never gathers the vocabulary) and every rank picks the same token. Under
+context parallelism the width is a multiple of the layout's (2 x cp), and each step gathers the logits
+of every cp rank's tokens.
 """
 
 from __future__ import annotations
