@@ -10,7 +10,8 @@
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_PORT=${MASTER_PORT:-29500}
+# A port per job: jobs sharing a node must not meet on one rendezvous port
+export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export OMP_NUM_THREADS=8
 srun --kill-on-bad-exit=1 python train.py parallel=dp "$@"
 rc=$?

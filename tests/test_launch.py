@@ -64,6 +64,26 @@ def test_launch_environments():
     assert restart_warning(dict(shared, TORCHELASTIC_MAX_RESTARTS="0")) is None  # no restarts asked for
 
 
+def test_each_rank_finds_its_gpu(monkeypatch):
+    """One GPU per local rank when the node's GPUs are all visible; the one visible GPU under Slurm's
+    per-task binding; too few GPUs is the one-line error (CUDA mocked: this machine has none)."""
+    import pytest
+    import torch
+
+    from utils.errors import ConfigError
+    from utils.launch import pick_device
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert pick_device(3) == torch.device("cuda", 3) and chosen == [3]
+    with pytest.raises(ConfigError):
+        pick_device(4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # --gpus-per-task=1: each task sees its own
+    assert pick_device(3) == torch.device("cuda", 0) and chosen[-1] == 0
+
+
 def test_layout_command_prints_groups_without_launching():
     proc = subprocess.run([sys.executable, "-m", "utils.comm", "tp=4", "dp=2", "order=tp-dp"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)

@@ -24,7 +24,8 @@ def test_default_names_are_readable_and_distinct():
     changed = default_dir("model.embed_dim=64")
     assert changed.startswith("vit_tiny-era5_synthetic-single-fp32-") and changed != default_dir()
     assert default_dir("trainer.log_every=3", "trainer.num_workers=0", "trainer.worker_start=fork",
-                       "trainer.hang_timeout_s=60", "parallel.cp_attention=allgather") == default_dir()  # same training
+                       "trainer.hang_timeout_s=60", "parallel.cp_attention=allgather", "precision.compile=true",
+                       "trainer.activation_checkpointing=true") == default_dir()  # the same training
     assert default_dir("run.tag=x").endswith("-x")
 
 

@@ -36,7 +36,7 @@ def launch_env(environ=os.environ) -> LaunchEnv:
     if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             require(var in environ, f"{var} is not set under Slurm", var,
-                    "export MASTER_ADDR=$(scontrol show hostnames $SLURM_NODELIST | head -n1) and MASTER_PORT=29500")
+                    "export MASTER_ADDR=$(scontrol show hostnames $SLURM_NODELIST | head -n1) and a MASTER_PORT")
         return LaunchEnv(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]),
                          int(environ.get("SLURM_LOCALID", 0)), "slurm")
     return LaunchEnv()
@@ -53,13 +53,18 @@ def restart_warning(environ=os.environ) -> str | None:
 
 
 def pick_device(local_rank: int) -> torch.device:
-    """This rank's GPU (one per local rank), or the CPU when CUDA is not available."""
+    """This rank's GPU, or the CPU when CUDA is not available.
+
+    Every GPU of the node visible: local rank r takes GPU r. Exactly one visible (Slurm's
+    `--gpus-per-task=1` or `--gpu-bind=single:1` give each task its own): that one, whatever the rank.
+    """
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        require(local_rank < count, f"local rank {local_rank} has no GPU of its own ({count} visible)",
+        index = 0 if count == 1 else local_rank
+        require(index < count, f"local rank {local_rank} has no GPU of its own ({count} visible)",
                 "launch", f"start at most {count} ranks per node (one per GPU)")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -22,7 +22,8 @@ from utils.errors import ConfigError
 RESUME_SAFE = ("run.", "trainer.stop_at_step", "trainer.resume", "trainer.log_every", "trainer.val_every",
                "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.num_workers", "trainer.worker_start",
                "trainer.preempt_deadline_s", "trainer.hang_timeout_s", "parallel.init_timeout_s",
-               "parallel.cp_attention", "data.root", "data.cache_dir")
+               "parallel.cp_attention", "parallel.sequence_parallel", "precision.compile",
+               "trainer.activation_checkpointing", "data.root", "data.cache_dir")
 
 
 def _flat(config_yaml: str) -> dict[str, object]:
