@@ -39,7 +39,6 @@ class ContextShards:
     def __init__(self, axis: AxisGroup, balanced: bool):
         self.axis, self.balanced = axis, balanced
         self.multiple = 2 * axis.size if balanced else 1  # a sequence length must be a multiple of this
-        self.length = 0
         self._cache: dict[tuple[int, str], tuple[list[torch.Tensor], torch.Tensor, list]] = {}
 
     def enter(self, length: int, device: torch.device) -> None:
@@ -54,7 +53,6 @@ class ContextShards:
             positions = [p.to(device) for p in host]
             bounds = position_bounds(host, [len(p) for p in host])  # on the host: no device sync per layer
             self._cache[key] = positions, torch.argsort(torch.cat(positions)), bounds
-        self.length = length
         self.positions, self._order, self.bounds = self._cache[key]  # bounds: (min, max) position per rank
         self.sizes = [len(p) for p in self.positions]
 
