@@ -21,9 +21,9 @@ def wrap_blocks(model: nn.Module, *, checkpoint: bool, compile: bool) -> None:
     torch's checkpoint_wrapper (non-reentrant) keeps parameter and state-dict names unchanged, so a
     checkpoint written with activation checkpointing on loads with it off and the other way round.
     """
-    for i, block in enumerate(model.blocks):
+    for name, block in list(model.blocks.named_children()):  # a pipeline stage's blocks keep global names
         if checkpoint:
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if compile:
             block.compile()
-        model.blocks[i] = block
+        setattr(model.blocks, name, block)

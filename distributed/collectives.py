@@ -9,7 +9,9 @@ Three things live here so that nothing else writes them:
   the mappings and the vocab-parallel loss), `all_reduce_` (in place, for gradients and metrics),
   `all_reduce_coalesced_` (many tensors, one flat buffer), `all_gather`/`reduce_scatter` along a dim
   with padding for uneven splits (gloo has no all-gatherv), `broadcast_object` (a small picklable
-  decision of one rank, e.g. which checkpoint to resume) and `barrier`.
+  decision of one rank, e.g. which checkpoint to resume), `broadcast_` and `barrier`.
+- `send`/`recv`: blocking point-to-point (the pipeline's forward-only pass for validation; training
+  steps use torch.distributed.pipelining's own send/recv, counted by distributed/pipeline/stages.py).
 - `ring_shift`: point-to-point, every rank sends to the next rank of the axis and receives from the
   previous one, asynchronously (ring attention passes K/V blocks with it while it computes).
 
@@ -162,6 +164,31 @@ def broadcast_object(obj: Any, axis: AxisGroup, src_rank: int = 0) -> Any:
     if axis.rank == src_rank:  # the pickled payload and its length, sent down a tree
         record(axis, len(pickle.dumps(obj)) + 8)
     return box[0]
+
+
+def broadcast_(x: torch.Tensor, axis: AxisGroup, src_rank: int) -> torch.Tensor:
+    """`x` as rank `src_rank` of `axis` holds it, in place on every rank of `axis` (same shape and dtype
+    everywhere). Counted on the source: the bytes of `x` (a tree sends each byte once per receiver
+    group; the figure is what the source puts on the wire for one receiver)."""
+    if axis.size > 1:
+        if axis.rank == src_rank:
+            record(axis, nbytes(x))
+        dist.broadcast(x, src=axis.ranks[src_rank], group=axis.group)
+    return x
+
+
+def send(x: torch.Tensor, axis: AxisGroup, dst_rank: int) -> None:
+    """Send `x` to rank `dst_rank` of `axis` (blocking until it is handed over); counted."""
+    record(axis, nbytes(x))
+    dist.send(x.contiguous(), dst=axis.ranks[dst_rank], group=axis.group)
+
+
+def recv(shape: Sequence[int], dtype: torch.dtype, device: torch.device, axis: AxisGroup,
+         src_rank: int) -> torch.Tensor:
+    """A tensor of `shape` received from rank `src_rank` of `axis` (its sender counts the bytes)."""
+    x = torch.empty(tuple(shape), dtype=dtype, device=device)
+    dist.recv(x, src=axis.ranks[src_rank], group=axis.group)
+    return x
 
 
 def ring_shift(tensors: Sequence[torch.Tensor], axis: AxisGroup, shapes: Sequence[Sequence[int]],

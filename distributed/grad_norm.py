@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from distributed.collectives import all_reduce
-from utils.comm import AxisGroup, Grid
+from utils.comm import Axis, AxisGroup, Grid
 
 
-def _squares(model: nn.Module) -> tuple[torch.Tensor | None, dict[str, tuple[AxisGroup, torch.Tensor]]]:
+def _squares(model: nn.Module, skip: set[int]) -> tuple[torch.Tensor | None, dict[str, tuple[AxisGroup, torch.Tensor]]]:
     """Sum of squared gradients of replicated params, and of sharded params per shard axis (by name)."""
-    replicated, sharded, seen = None, {}, set()
+    replicated, sharded, seen = None, {}, set(skip)
     for module in model.modules():
         names = getattr(module, "sharded_params", ())
         for name, p in module.named_parameters(recurse=False):
@@ -34,18 +34,20 @@ def _squares(model: nn.Module) -> tuple[torch.Tensor | None, dict[str, tuple[Axi
     return replicated, sharded
 
 
-def grad_norm(model: nn.Module, *, grid: Grid) -> torch.Tensor:
-    """The L2 norm of the full (unsharded) gradient, identical on every rank."""
-    replicated, sharded = _squares(model)
+def grad_norm(model: nn.Module, *, grid: Grid, skip: set[int] = frozenset()) -> torch.Tensor:
+    """The L2 norm of the full (unsharded) gradient, identical on every rank. Under pipeline parallelism
+    each pp rank holds other parameters: their squares are summed over pp; `skip` (parameter ids)
+    leaves out copies another pp rank counts (a tied embedding's second copy)."""
+    replicated, sharded = _squares(model, skip)
     total = replicated if replicated is not None else torch.zeros((), device=grid.device)
     for axis, sq in sharded.values():
         total = total + all_reduce(sq, axis)
-    return total.sqrt()
+    return all_reduce(total, grid.axis(Axis.PP)).sqrt()
 
 
-def clip_grad_norm(model: nn.Module, *, grid: Grid, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, *, grid: Grid, max_norm: float, skip: set[int] = frozenset()) -> torch.Tensor:
     """Scale gradients so the global norm is at most max_norm (0 = only measure); returns the norm."""
-    norm = grad_norm(model, grid=grid)
+    norm = grad_norm(model, grid=grid, skip=skip)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in model.parameters():

@@ -11,6 +11,9 @@ the attribute names below are the convention that code relies on:
     lm_head    nn.Linear(D, V_padded, bias=False)  (weight is tok_embed.weight when tied)
     criterion  CausalLMLoss, with `num_valid_vocab` (columns >= it are padding and never count)
 
+`embed` (first pipeline stage) and `output` (last) are the parts around the blocks; `PIPELINE_ENDS`
+names the attributes each uses, which a pipeline stage keeps (distributed/pipeline/stages.py).
+
 There is no 'exit' region: the head consumes the sequence region's layout directly (under tensor
 sequence parallelism the vocab-parallel head all-gathers the sequence itself). Greedy decoding for
 any layout is `utils.generate.greedy_decode`.
@@ -105,6 +108,8 @@ class CausalLMLoss(nn.Module):
 class GPT(nn.Module):
     """Decoder-only pre-norm transformer language model."""
 
+    PIPELINE_ENDS = {"embed": ("tok_embed", "pos_embed", "embed_drop", "enter_seq"), "output": ("norm", "lm_head")}
+
     def __init__(self, cfg: GPTConfig, vocab_size: int):
         super().__init__()
         require(vocab_size > 0, f"the tokenizer has {vocab_size} tokens", "data.tokenizer",
@@ -155,16 +160,32 @@ class GPT(nn.Module):
         weight[:self.vocab_size].copy_(real)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks.children():  # a pipeline stage keeps some, under their global names
+            x = block(x)
+        return self.output(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, S) -> the blocks' input (B, S_local, D): the first pipeline stage's part."""
         seq_len = idx.shape[1]
         if seq_len > self.cfg.max_positions:
             check_seq_len(self.cfg, seq_len)
         x = self.tok_embed(idx)  # (B, S, D)
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.arange(seq_len, device=idx.device))
-        x = self.enter_seq(self.embed_drop(x))  # (B, S_local, D) under sequence parallelism
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.norm(x))  # (B, S_local, V_padded)
+        return self.enter_seq(self.embed_drop(x))  # (B, S_local, D) under sequence parallelism
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks' output -> logits (B, S_local, V_padded): the last pipeline stage's part."""
+        return self.lm_head(self.norm(x))
+
+    def num_tokens(self, idx: torch.Tensor) -> int:
+        """Sequence length of the blocks for input `idx` (B, S)."""
+        return idx.shape[1]
+
+    def output_shape(self, batch: int, tokens: int) -> tuple[int, ...]:
+        """Shape of `output` for `tokens` tokens reaching the head (the rank's vocabulary rows)."""
+        return batch, tokens, self.lm_head.weight.shape[0]
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of `idx` (B, S) against `targets` (B, S)."""

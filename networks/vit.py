@@ -39,7 +39,14 @@ class ViTConfig:
 
 
 class ViT(nn.Module):
-    """Vision Transformer regressor on (B, C, H, W) fields."""
+    """Vision Transformer regressor on (B, C, H, W) fields.
+
+    `embed` (first pipeline stage) and `output` (last) are the parts around the blocks; `PIPELINE_ENDS`
+    names the attributes each uses, which a pipeline stage keeps (distributed/pipeline/stages.py).
+    """
+
+    PIPELINE_ENDS = {"embed": ("patch_embed", "pos_embed", "pos_drop", "enter_seq"),
+                     "output": ("norm", "exit_seq", "head", "gather_out")}
 
     def __init__(self, cfg: ViTConfig, img_size: tuple[int, int], in_channels: int, out_channels: int):
         super().__init__()
@@ -64,9 +71,13 @@ class ViT(nn.Module):
         init_weights(self, cfg.init_std, cfg.depth)
         nn.init.trunc_normal_(self.pos_embed, std=cfg.init_std, a=-2 * cfg.init_std, b=2 * cfg.init_std)
 
-    @property
-    def num_tokens(self) -> int:
+    def num_tokens(self, x: torch.Tensor | None = None) -> int:
+        """Sequence length of the blocks (patches per field), for any input."""
         return self.grid_hw[0] * self.grid_hw[1]
+
+    def output_shape(self, batch: int, tokens: int) -> tuple[int, ...]:
+        """Shape of `output` (the whole field, whatever `tokens` this rank's head saw)."""
+        return batch, self.out_channels, *self.img_size
 
     def patchify(self, x: torch.Tensor) -> torch.Tensor:
         p, (gh, gw) = self.cfg.patch_size, self.grid_hw
@@ -81,12 +92,20 @@ class ViT(nn.Module):
         return x.reshape(b, self.out_channels, gh * p, gw * p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pos_drop(self.patch_embed(self.patchify(x)) + self.pos_embed)  # (B, N, D)
-        x = self.enter_seq(x)  # (B, N_local, D) under sequence parallelism
-        for block in self.blocks:
+        x = self.embed(x)
+        for block in self.blocks.children():  # a pipeline stage keeps some, under their global names
             x = block(x)
+        return self.output(x)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Fields (B, C, H, W) -> the blocks' input (B, N_local, D): the first pipeline stage's part."""
+        x = self.pos_drop(self.patch_embed(self.patchify(x)) + self.pos_embed)  # (B, N, D)
+        return self.enter_seq(x)  # (B, N_local, D) under sequence parallelism
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks' output -> fields (B, C, H, W): the last pipeline stage's part."""
         x = self.exit_seq(self.norm(x))  # (B, N, D)
-        return self.unpatchify(self.gather_out(self.head(x)))  # (B, C, H, W)
+        return self.unpatchify(self.gather_out(self.head(x)))
 
     def matmul_params(self) -> int:
         """Weights that take part in matrix multiplies (for the FLOP model): all but norms, biases, pos."""

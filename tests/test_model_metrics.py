@@ -13,7 +13,7 @@ def test_vit_maps_fields_to_fields():
     model = ViT(ViTConfig(embed_dim=32, depth=2, num_heads=4, patch_size=4), (16, 32), 5, 5)
     x = torch.randn(3, 5, 16, 32)
     assert model(x).shape == (3, 5, 16, 32)
-    assert model.num_tokens == 32
+    assert model.num_tokens() == 32
     torch.testing.assert_close(model.unpatchify(model.patchify(x)), x)
 
 
@@ -21,7 +21,7 @@ def test_vit_base_size_matches_the_seed():
     model = ViT(ViTConfig(embed_dim=384, depth=12, num_heads=8, patch_size=8), (360, 720), 20, 20)
     blocks = 12 * (4 * 384 * 384 + 2 * 384 * 4 * 384)
     assert model.matmul_params() == blocks + 2 * 20 * 64 * 384
-    assert model.num_tokens == 4050
+    assert model.num_tokens() == 4050
 
 
 def test_bad_model_settings():

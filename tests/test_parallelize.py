@@ -98,7 +98,7 @@ def _check_vit(grid: Grid, sp: bool) -> None:
     grid.reset_comm_bytes()
     y = parallel(x_par)
     y.backward(g)
-    activation_bytes = BATCH * serial.num_tokens * EMBED * x.element_size()  # A
+    activation_bytes = BATCH * serial.num_tokens() * EMBED * x.element_size()  # A
     expected = (8 * DEPTH + (2 if sp else 0)) * (t - 1) * activation_bytes // t
     assert axis.bytes_moved == expected, (sp, axis.bytes_moved, expected)
     _check_partial_sync(parallel, grid, sp)

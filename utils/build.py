@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,17 +19,19 @@ from torch import nn
 from distributed.block_wrappers import wrap_blocks
 from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import wrap_data_parallel
+from distributed.pipeline.plan import PipelinePlan, resolve_plan
+from distributed.pipeline.schedule import Pipeline, PipelineForward
+from distributed.pipeline.stages import build_stages, cut_for_rank
 from distributed.tensor.parallelize import parallelize
 from utils.checkpoint import Checkpointer, names_own_step, resume_state
 from utils.comm import Axis, Grid, check_grid, init_grid, layout_name, parse_order
 from utils.config import Config
 from utils.data.batching import build_loaders, check_batch
-from utils.errors import require
 from utils.flops import training_flops_per_sample
 from utils.launch import restart_warning
 from utils.logger import setup_logging
 from utils.optim import build_optimizer, build_scheduler
-from utils.precision import configure_matmul, grad_scaler
+from utils.precision import autocast, configure_matmul, grad_scaler
 from utils.runs import check_resumable, prepare_run_dir, run_dir_for
 from utils.tasks import build_task
 from utils.trainer import Trainer
@@ -39,14 +42,19 @@ class BuiltModel:
     model: nn.Module  # what the loop calls: DDP-wrapped when there are data-parallel replicas
     raw: nn.Module  # the (parallelized) module underneath: state dicts, criterion, parameters
     flops_per_sample: float  # training FLOPs of one sample of the full (unsharded) model
+    pipeline: Pipeline | None = None  # pp > 1: the schedule over this rank's stages (raw holds their parts)
+    forward: PipelineForward | None = None  # pp > 1: the forward-only pass through every stage
 
 
 def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
-    """Full weights from the seed (identical on every rank and layout), then this rank's shards."""
+    """Full weights from the seed (identical on every rank and layout), then this rank's stages and shards."""
     torch.manual_seed(cfg.trainer.seed)
     model = task.build_model()  # full serial weights on CPU
     flops = training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(),  # before sharding
                                       cfg.model.depth, cfg.model.embed_dim)
+    plan = pipeline_plan(cfg) if grid.size(Axis.PP) > 1 else None
+    if plan is not None:
+        model = cut_for_rank(model, plan, grid.rank(Axis.PP))
     model = parallelize(model, grid=grid, sequence_parallel=cfg.parallel.sequence_parallel)
     model = parallelize_context(model, grid=grid, variant=cfg.parallel.cp_attention)
     model.to(grid.device)
@@ -56,7 +64,25 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     # distinct per data-parallel replica. Tensor-parallel ranks share it; dropouts on tp-sharded
     # activations fork a stream per shard from it (distributed/rng.py).
     torch.manual_seed(cfg.trainer.seed * 1_000_003 + 1 + grid.rank(Axis.DP))
-    return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
+    if plan is None:
+        return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
+    return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
+
+
+def pipeline_plan(cfg: Config) -> PipelinePlan:
+    par = cfg.parallel
+    return resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, cfg.model.depth)
+
+
+def build_pipeline(cfg: Config, task, grid: Grid, model: nn.Module, plan: PipelinePlan):
+    """(Pipeline, PipelineForward) over this rank's stages of the cut `model`, with static shapes."""
+    parts = grid.size(Axis.DP) * cfg.trainer.grad_accum_steps * plan.microbatches
+    example = task.example_batch(cfg.trainer.global_batch_size // parts, torch.device("meta"))[0]
+    mode = cfg.precision.mode
+    out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
+    stages = build_stages(model, plan, axis=grid.axis(Axis.PP), example=example, length=task.tokens_per_sample(),
+                          out_dtype=out_dtype, autocast=partial(autocast, mode, grid.device))
+    return Pipeline(model, stages, plan, grid), PipelineForward(model, [s.submod for s in stages], plan, grid)
 
 
 def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -68,12 +94,6 @@ def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> st
     n = sum(p.numel() for p in model.parameters())
     return (f"this rank holds {n / 1e6:.2f}M parameters: {params / 2**20:.1f} MiB weights, "
             f"{params / 2**20:.1f} MiB gradients, {state / 2**20:.1f} MiB optimizer state")
-
-
-def check_supported(sizes: dict[Axis, int]) -> None:
-    """Layouts this version cannot train yet (before any work)."""
-    require(sizes[Axis.PP] == 1, "pipeline parallelism is not implemented yet", "parallel.pp",
-            "set parallel.pp=1 (tensor, context and data parallelism are available)")
 
 
 def resume_run_dir(resume: str, run_dir: Path) -> Path | None:
@@ -90,9 +110,10 @@ def resume_run_dir(resume: str, run_dir: Path) -> Path | None:
 def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer:
     """Everything train.py does before fitting: validate against the data and the launch, then build."""
     sizes = check_grid(cfg.parallel)  # the one resolution of the axis sizes for this launch
-    check_supported(sizes)
     task = build_task(cfg)  # inspects the data: every data error is raised before distributed work
-    check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps, len(task.train_set))
+    microbatches = pipeline_plan(cfg).microbatches if sizes[Axis.PP] > 1 else 1
+    check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps, len(task.train_set),
+                microbatches)
     run_dir = run_dir_for(cfg, choices, config_yaml, layout_name(sizes, parse_order(cfg.parallel.order)))
     previous = resume_run_dir(cfg.trainer.resume, run_dir)
     if previous is not None:

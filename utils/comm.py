@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from distributed.pipeline.plan import SCHEDULES, resolve_plan
 from utils.errors import ConfigError, require
 from utils.launch import LaunchEnv, launch_env, pick_device
 
@@ -39,7 +40,8 @@ class Axis(str, enum.Enum):
 
 AXES = tuple(Axis)
 # Every group any layer may use, created eagerly by init_grid (later creation on some ranks only would hang).
-GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), (Axis.DP,), (Axis.PP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP), AXES)
+GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), (Axis.DP,), (Axis.PP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP),
+                         (Axis.DP, Axis.PP), AXES)
 
 
 @dataclass
@@ -53,6 +55,9 @@ class ParallelConfig:
     order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
     sequence_parallel: bool = True  # Megatron sequence parallelism for norms/dropout under tp
     cp_attention: str = "ring"  # ring | allgather: how attention reaches the other cp ranks' keys and values
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
+    pp_microbatches: int = 0  # microbatches per pipeline step (per grad_accum step); 0 = one per stage
+    pp_stages_per_rank: int = 0  # stages per pp rank: 1 for gpipe/1f1b, 2 for zbv/dualpipev; 0 = that (2 for loops)
     init_timeout_s: int = 600  # timeout of collectives: a missing rank fails the job, never hangs
 
     def __post_init__(self):
@@ -64,6 +69,11 @@ class ParallelConfig:
         parse_order(self.order)
         require(self.cp_attention in ("ring", "allgather"), f"unknown cp_attention {self.cp_attention!r}",
                 "parallel.cp_attention", "choose ring or allgather")
+        require(self.pp_schedule in SCHEDULES, f"unknown pipeline schedule {self.pp_schedule!r}",
+                "parallel.pp_schedule", "choose one of " + ", ".join(SCHEDULES))
+        for name in ("pp_microbatches", "pp_stages_per_rank"):
+            require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}", f"parallel.{name}",
+                    "set 0 (the default) or a positive integer")
         require(self.init_timeout_s > 0, "timeout must be positive", "parallel.init_timeout_s", "set a number of seconds")
 
 
@@ -143,6 +153,7 @@ class Grid:
         self.layout = rank_layout(self.sizes, self.order)
         self._axes: dict[str, AxisGroup] = {}
         self.frozen = False  # set by init_grid once the groups exist: no group is created later
+        self._pipeline_ends: AxisGroup | None = None  # set by init_grid when pp > 2
 
     @classmethod
     def serial(cls, device: torch.device | None = None) -> Grid:
@@ -167,6 +178,20 @@ class Grid:
         if name not in self._axes:
             self._axes[name] = self._build_axis(keys, name)
         return self._axes[name]
+
+    @property
+    def pipeline_ends(self) -> AxisGroup | None:
+        """The first and last rank of this rank's pp group (the pp axis itself at pp <= 2); None on the
+        ranks between them."""
+        if self.sizes[Axis.PP] <= 2:
+            return self.axis(Axis.PP)
+        return self._pipeline_ends
+
+    @pipeline_ends.setter
+    def pipeline_ends(self, axis: AxisGroup | None) -> None:
+        self._pipeline_ends = axis
+        if axis is not None:
+            self._axes[axis.name] = axis  # counted with the other axes
 
     @property
     def world(self) -> AxisGroup:
@@ -267,8 +292,22 @@ def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid
     grid = Grid(sizes, order, env.rank, device, build_mesh(sizes, order, device))
     for axes in GROUPS_BUILT_AT_START:
         grid.axis(*axes)  # creating a group is collective: every rank, same order, at start
+    if sizes[Axis.PP] > 2:
+        grid.pipeline_ends = _pipeline_ends(grid)
     grid.frozen = True
     return grid
+
+
+def _pipeline_ends(grid: Grid) -> AxisGroup | None:
+    """The group of the first and last rank of this rank's pp group (None on the ranks between): the
+    two copies of a tied embedding under a looped placement. Created for every pp group on every rank."""
+    mine = None
+    for ranks in grid.layout[Axis.PP]:
+        pair = [ranks[0], ranks[-1]]
+        group = dist.new_group(pair)  # collective: every rank creates every pair, in the same order
+        if grid.global_rank in pair:
+            mine = AxisGroup("pp_ends", 2, pair.index(grid.global_rank), group, pair)
+    return mine
 
 
 def build_mesh(sizes: dict[Axis, int], order: tuple[Axis, ...], device: torch.device) -> DeviceMesh:
@@ -283,16 +322,26 @@ def destroy_grid() -> None:
 
 
 def layout_main(argv: list[str] | None = None) -> int:
-    """`python -m utils.comm tp=4 dp=2 order=tp-dp`: print the rank groups without launching anything."""
+    """`python -m utils.comm tp=4 dp=2 order=tp-dp`: print the rank groups without launching anything.
+
+    With pp > 1, `depth=` (default 4) adds which blocks each stage holds (pp_schedule=,
+    pp_stages_per_rank=, pp_microbatches= as in `parallel.`)."""
     args = dict(a.split("=", 1) for a in (argv if argv is not None else sys.argv[1:]))
+    text = ("order", "pp_schedule", "cp_attention")
     try:
-        cfg = ParallelConfig(**{k: (v if k == "order" else int(v)) for k, v in args.items() if k != "world"})
+        cfg = ParallelConfig(**{k: (v if k in text else int(v)) for k, v in args.items() if k not in ("world", "depth")})
         world = int(args.get("world", 0)) or cfg.tp * cfg.cp * cfg.pp * max(cfg.dp, 1)
         grid = Grid(resolve_sizes(cfg, world), parse_order(cfg.order))
+        plan = resolve_plan(cfg.pp_schedule, cfg.pp, cfg.pp_stages_per_rank, cfg.pp_microbatches,
+                            int(args.get("depth", 4))) if cfg.pp > 1 else None
     except (ConfigError, TypeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(grid.describe())
+    if plan is not None:
+        print(f"pipeline: {plan.schedule}, {plan.num_stages} stages ({plan.stages_per_rank} per rank), "
+              f"{plan.microbatches} microbatches, bubble (p-1)/(v*m+p-1) = {plan.bubble():.3f}")
+        print("\n".join(plan.describe()))
     return 0
 
 

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from networks.transformer import GPTConfig, check_seq_len
 from networks.vit import ViTConfig
+from distributed.pipeline.plan import SPLIT_BACKWARD, resolve_plan
 from utils.comm import ParallelConfig
 from utils.data.era5 import ERA5Config
 from utils.data.wikitext import WikiTextConfig
@@ -82,9 +83,20 @@ class Config:
         require(model.dropout == 0 or cp == 1 or self.parallel.cp_attention == "allgather",
                 f"model.dropout={model.dropout} with parallel.cp={cp}: ring attention has no dropout",
                 "parallel.cp_attention", "use parallel.cp_attention=allgather, or model.dropout=0")
+        if self.parallel.pp > 1:
+            self.check_pipeline()
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
                 "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
                 "multiple of parallel.tp")
+
+
+    def check_pipeline(self) -> None:
+        par = self.parallel
+        plan = resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, self.model.depth)
+        require(not (self.precision.compile and plan.schedule in SPLIT_BACKWARD),
+                f"pp_schedule={plan.schedule} splits backward into input and weight gradients, which torch cannot "
+                "do for compiled blocks (pytorch#161904)", "precision.compile",
+                "set precision.compile=false, or use pp_schedule=gpipe, 1f1b, interleaved_1f1b or looped_bfs")
 
 
 def register_schemas() -> None:

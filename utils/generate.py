@@ -8,7 +8,8 @@ than `max_positions`, the window slides and keeps the last `max_positions` token
 parallelism each rank holds a vocabulary shard of the logits; the last position's shards are gathered
 over tp (a few rows: training never gathers the vocabulary) and every rank picks the same token. Under
 context parallelism the width is a multiple of the layout's (2 x cp), and each step gathers the logits
-of every cp rank's tokens.
+of every cp rank's tokens. Under pipeline parallelism `model` is the forward pass through the stages
+(distributed/pipeline/schedule.py): the last stage picks the token and every pp rank receives it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distributed.pipeline.schedule import from_last_stage
 from distributed.tensor.vocab import gather_vocab
 from utils.comm import AxisGroup
 
@@ -45,11 +47,17 @@ def greedy_decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int, *, t
             last = window.shape[1] - 1
             with autocast():
                 logits = model(F.pad(window, (0, width - window.shape[1])))  # (B, W or W_local, V_local)
-            if shards is not None:
-                logits = shards.unshard(logits, 1)  # (B, W, V_local)
-            logits = logits[:, last].float()
-            logits = gather_vocab(logits, tp, model.padded_vocab)  # (B, V_padded)
-            out = torch.cat((out, logits[:, :model.vocab_size].argmax(dim=-1, keepdim=True)), dim=1)
+            token = None if logits is None else _next_token(model, logits, last, shards, tp)
+            token = from_last_stage(model, token, out[:, :1])  # pipeline: the last stage's choice
+            out = torch.cat((out, token), dim=1)
     finally:
         model.train(was_training)
     return out
+
+
+def _next_token(model: nn.Module, logits: torch.Tensor, last: int, shards, tp: AxisGroup) -> torch.Tensor:
+    """(B, 1) argmax over the real vocabulary at position `last` of (possibly sharded) logits."""
+    if shards is not None:
+        logits = shards.unshard(logits, 1)  # (B, W, V_local)
+    logits = gather_vocab(logits[:, last].float(), tp, model.padded_vocab)  # (B, V_padded)
+    return logits[:, :model.vocab_size].argmax(dim=-1, keepdim=True)

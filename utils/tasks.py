@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from distributed.collectives import all_reduce_
+from distributed.pipeline.schedule import from_last_stage
 from networks.transformer import GPT, GPTConfig, padded_vocab_size
 from networks.vit import ViT, ViTConfig
 from utils.comm import Axis, Grid
@@ -76,7 +77,10 @@ class WeatherTask:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
                  writer, step: int) -> dict[str, float]:
-        """val/loss and latitude-weighted val/rmse/<channel>, reduced over dp; an image of u10m."""
+        """val/loss and latitude-weighted val/rmse/<channel>, reduced over dp; an image of u10m.
+
+        Under pipeline parallelism `model` is the forward pass through the stages: the predictions exist
+        on the last stage's ranks, whose sums the reduction over dp x pp adds (the others add zeros)."""
         device, dp = grid.device, grid.axis(Axis.DP)
         weights = self.lat_weights.to(device)
         sums = torch.zeros(2 + len(self.cfg.channels), dtype=torch.float64, device=device)
@@ -85,12 +89,14 @@ class WeatherTask:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast():
                 pred = model(x)
-            sums[0] += criterion(pred, y).double() * len(x)
-            sums[1] += len(x)
-            sums[2:] += weighted_rmse_per_sample(pred, y, weights).sum(dim=0).double()
+            if pred is not None:
+                sums[0] += criterion(pred, y).double() * len(x)
+                sums[1] += len(x)
+                sums[2:] += weighted_rmse_per_sample(pred, y, weights).sum(dim=0).double()
             if first is None:
-                first = (pred[0, 0].float().cpu(), y[0, 0].float().cpu())
-        all_reduce_(sums, dp)
+                image = from_last_stage(model, None if pred is None else pred[0, 0].float(), y[0, 0].float())
+                first = (image.cpu(), y[0, 0].float().cpu())
+        all_reduce_(sums, grid.axis(Axis.DP, Axis.PP))
         count = sums[1].clamp_min(1)
         metrics = {"val/loss": (sums[0] / count).item()}
         metrics.update({f"val/rmse/{c}": (sums[2 + i] / count).item() for i, c in enumerate(self.cfg.channels)})
@@ -154,9 +160,11 @@ class LanguageTask:
         for x, y in loader:
             x, y = x.to(grid.device, non_blocking=True), y.to(grid.device, non_blocking=True)
             with autocast():
-                sums[0] += criterion(model(x), y).double() * len(x)
-            sums[1] += len(x)
-        all_reduce_(sums, grid.axis(Axis.DP))
+                logits = model(x)  # None off the last pipeline stage (see WeatherTask.evaluate)
+                if logits is not None:
+                    sums[0] += criterion(logits, y).double() * len(x)
+                    sums[1] += len(x)
+        all_reduce_(sums, grid.axis(Axis.DP, Axis.PP))
         loss = (sums[0] / sums[1].clamp_min(1)).item()
         writer.text("val/samples", self.continuations(model, grid, autocast), step)
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}

@@ -83,6 +83,7 @@ class Trainer:
                  checkpointer: Checkpointer):
         self.cfg, self.tc, self.grid, self.task = cfg, cfg.trainer, grid, task
         self.model, self.raw_model = built.model, built.raw
+        self.pipeline, self.forward_model = built.pipeline, built.forward or built.raw  # see utils/build.py
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.loaders: Loaders | None = None
         self.run_dir, self.log, self.step = run_dir, log, 0
@@ -123,14 +124,10 @@ class Trainer:
         rank (`self.skipped` says so); the fp16 scaler keeps its own skip logic. `self.stop_agreed`: some
         rank had `stop_requested` (a stop signal) when the step began.
         """
-        micro = self.tc.grad_accum_steps
-        total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
-            sync = i == micro - 1  # reduce gradients over dp only after the last micro-batch
-            with (contextlib.nullcontext() if sync else no_sync(self.model)), self.autocast():
-                loss = self.raw_model.criterion(self.model(x), y) / micro
-            self.scaler.scale(loss).backward()
-            total += loss.detach()
+        if self.pipeline is not None:
+            total = self.pipeline.train_step(inputs, targets, self.tc.grad_accum_steps, self.scaler.scale)
+        else:
+            total = self.forward_backward(inputs, targets)
         self.watchdog.phase("optimizer")
         self.finish_grads()
         self.scaler.unscale_(self.optimizer)
@@ -144,6 +141,18 @@ class Trainer:
         self.scheduler.step()
         return loss, grad_norm
 
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Gradients of this rank's batch in grad_accum_steps micro-batches; returns its mean loss."""
+        micro = self.tc.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
+            sync = i == micro - 1  # reduce gradients over dp only after the last micro-batch
+            with (contextlib.nullcontext() if sync else no_sync(self.model)), self.autocast():
+                loss = self.raw_model.criterion(self.model(x), y) / micro
+            self.scaler.scale(loss).backward()
+            total += loss.detach()
+        return total
+
     def agree_on_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """One max-reduction over all ranks of [non-finite loss or grad norm, stop requested], so every rank
         takes the same branch: a rank's replicated gradients are its own (one NaN there must not make that
@@ -155,11 +164,15 @@ class Trainer:
         self.stop_agreed = stop_any > 0
 
     def finish_grads(self) -> None:
-        """Reduce gradients that are partial sums over model-parallel axes (none without tp/cp)."""
+        """Reduce gradients that are partial sums over model-parallel axes (none without tp/cp), and
+        under pp the data-parallel and tied-embedding reductions (distributed/pipeline/schedule.py)."""
         sync_partial_grads(self.raw_model)
+        if self.pipeline is not None:
+            self.pipeline.sync_grads()
 
     def clip_grad_norm(self) -> torch.Tensor:
-        return clip_grad_norm(self.raw_model, grid=self.grid, max_norm=self.cfg.optim.grad_clip)
+        skip = self.pipeline.duplicates if self.pipeline is not None else set()
+        return clip_grad_norm(self.raw_model, grid=self.grid, max_norm=self.cfg.optim.grad_clip, skip=skip)
 
     def current_lr(self) -> float:
         """The learning rate the next optimizer step uses."""
@@ -235,6 +248,8 @@ class Trainer:
                   "perf/step_time_ms": 1e3 * step_time, "perf/data_wait_ms": 1e3 * (t1 - t0),
                   **self.throughput(step_time), "mem/peak_gib": peak_memory_gib(self.device)}
         values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})
+        if self.pipeline is not None:  # measured idle fraction of the schedule's steps, and the theory's
+            values.update({"perf/pp_bubble": self.pipeline.bubble, "perf/pp_bubble_formula": self.pipeline.plan.bubble()})
         self.tb.scalars(values, self.step)
         self.progress.update(self.step, loss, values["perf/samples_per_sec"], lr)
 
@@ -263,7 +278,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         self.model.eval()
         t0 = time.perf_counter()
-        metrics = self.task.evaluate(self.raw_model, self.raw_model.criterion, self.loaders.val, grid=self.grid,
+        metrics = self.task.evaluate(self.forward_model, self.raw_model.criterion, self.loaders.val, grid=self.grid,
                                      autocast=self.autocast, writer=self.tb, step=self.step)
         self.model.train()
         self.tb.scalars(metrics, self.step)

@@ -63,12 +63,15 @@ class Loaders:
     val: DataLoader
 
 
-def check_batch(global_batch_size: int, dp: int, grad_accum_steps: int, num_samples: int) -> None:
+def check_batch(global_batch_size: int, dp: int, grad_accum_steps: int, num_samples: int,
+                microbatches: int = 1) -> None:
     """User errors of the batch settings against the layout and the data (their signs are checked by
-    TrainerConfig), raised before any work."""
-    require(global_batch_size % (dp * grad_accum_steps) == 0,
-            f"global_batch_size {global_batch_size} is not divisible by dp={dp} x grad_accum_steps={grad_accum_steps}",
-            "trainer.global_batch_size", f"use a multiple of {dp * grad_accum_steps}")
+    TrainerConfig), raised before any work. `microbatches`: pipeline microbatches per accumulation step."""
+    parts = dp * grad_accum_steps * microbatches
+    pipeline = f" x pp_microbatches={microbatches}" if microbatches > 1 else ""
+    require(global_batch_size % parts == 0,
+            f"global_batch_size {global_batch_size} is not divisible by dp={dp} x grad_accum_steps={grad_accum_steps}"
+            + pipeline, "trainer.global_batch_size", f"use a multiple of {parts}")
     require(num_samples >= global_batch_size,
             f"the training set has {num_samples} samples, fewer than one global batch of {global_batch_size}",
             "trainer.global_batch_size", "lower the batch size or raise data.limit_nsamples")

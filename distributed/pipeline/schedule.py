@@ -1,0 +1,145 @@
+"""The pipeline a rank runs: torch's schedule over its stages, gradient sync, and a forward-only pass.
+
+`Pipeline.train_step` runs one optimizer step's forward and backward: the rank's share of the global
+batch is cut into `grad_accum_steps` chunks, and each chunk is one schedule step of
+`parallel.pp_microbatches` microbatches (so microbatches per optimizer step = grad_accum_steps x
+pp_microbatches, each of global_batch_size / (dp x grad_accum_steps x pp_microbatches) samples).
+The loss of every microbatch is divided by that product before backward (the schedule's own scaling
+is off), so the gradients are those of the global-batch mean, as in a single process.
+
+After the last microbatch, `sync_grads` reduces what the stages cannot: the gradients over dp x cp
+(one coalesced all-reduce per dtype, summed over cp and averaged over dp, as DDP's hook does without
+pp; there is no DDP wrapper under pp, so nothing syncs before the last microbatch), and the two
+copies of a tied embedding when the first and last stage are on different ranks (summed over the
+pipeline's end ranks). `PipelineForward` runs the stages forward only, in order, with blocking
+point-to-point sends: validation and greedy decoding, for any input shape.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed.pipelining.schedules as torch_schedules
+from torch import nn
+
+from distributed.collectives import all_reduce_, all_reduce_coalesced_, broadcast_, recv, send
+from distributed.pipeline.plan import SCHEDULES, PipelinePlan
+from distributed.pipeline.stages import CountedStage, enter_regions
+from utils.comm import Axis, Grid
+from utils.errors import ConfigError
+
+
+class Pipeline:
+    """Schedule, stages and gradient sync of this rank; see the module docstring."""
+
+    def __init__(self, model: nn.Module, stages: list[CountedStage], plan: PipelinePlan, grid: Grid):
+        self.model, self.stages, self.plan, self.grid = model, stages, plan, grid
+        self.pp, self.replicas = grid.axis(Axis.PP), grid.axis(Axis.DP, Axis.CP)
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.losses: list[torch.Tensor] = []
+        self.divisor, self.scale = 1, None
+        self.bubble = 0.0
+        cls = getattr(torch_schedules, SCHEDULES[plan.schedule][0])
+        first = stages[0] if plan.style == "single" else stages
+        try:
+            self.schedule = cls(first, plan.microbatches, loss_fn=self._loss, scale_grads=False)
+        except (ValueError, RuntimeError) as err:  # the config checks should have caught it first
+            raise ConfigError(f"pp_schedule={plan.schedule}: {err}", "parallel.pp_schedule",
+                              "change parallel.pp_microbatches or parallel.pp_stages_per_rank") from None
+        self.tied = _tied_copies(model)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.model.criterion(output, target) / self.divisor
+        self.losses.append(loss.detach())
+        return self.scale(loss)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, accum: int, scale) -> torch.Tensor:
+        """Forward and backward of this rank's batch (every pp rank passes the same one); returns the
+        batch-mean loss on every pp rank (from the last stage) and sets `bubble` (mean idle fraction
+        over pp). `scale`: the loss scaler's scale function."""
+        self.losses.clear()
+        self.divisor, self.scale = accum * self.plan.microbatches, scale
+        length = self.model.num_tokens(inputs)
+        for stage in self.stages:
+            stage.busy = 0.0
+            stage.submod.length = length
+        start = time.perf_counter()
+        for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
+            args = (x,) if self.has_first else ()
+            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
+        idle = 1.0 - sum(s.busy for s in self.stages) / max(time.perf_counter() - start, 1e-9)
+        loss = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.grid.device)
+        totals = all_reduce_(torch.stack([loss.float(), torch.tensor(idle, device=loss.device)]), self.pp)
+        self.bubble = totals[1].item() / self.pp.size
+        return totals[0]
+
+    def sync_grads(self) -> None:
+        """After the last microbatch: the dp x cp reduction, then the tied embedding copies."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.replicas.size > 1:
+            for dtype in sorted({p.grad.dtype for p in params}, key=str):
+                grads = [p.grad for p in params if p.grad.dtype == dtype]
+                all_reduce_coalesced_(grads, self.replicas)
+                torch._foreach_div_(grads, self.grid.size(Axis.DP))
+        ends = self.grid.pipeline_ends
+        if self.tied is not None and ends is not None and self.tied.grad is not None:
+            all_reduce_(self.tied.grad, ends)
+
+    @property
+    def duplicates(self) -> set[int]:
+        """ids of parameters another pp rank also holds (the last stage's tied embedding copy): the
+        global gradient norm counts them once."""
+        return {id(self.tied)} if self.tied is not None and not self.has_first else set()
+
+
+def _tied_copies(model: nn.Module) -> nn.Parameter | None:
+    """This rank's copy of a tied input/output embedding when the first and last stage are on
+    different ranks (the weight is tied in the full model but only one end is here)."""
+    embed, head = getattr(model, "tok_embed", None), getattr(model, "lm_head", None)
+    if not getattr(getattr(model, "cfg", None), "tie_embeddings", False) or (embed is None) == (head is None):
+        return None
+    return (embed if embed is not None else head).weight
+
+
+class PipelineForward:
+    """Forward-only pass through the stages for any batch, called on every pp rank with the same input:
+    returns the model's output on the ranks of the last stage and None elsewhere. Other attributes
+    (cfg, criterion, context_shards, eval, ...) are the rank's model's."""
+
+    def __init__(self, model: nn.Module, stages: list[nn.Module], plan: PipelinePlan, grid: Grid):
+        self._model, self._stages, self._plan = model, {s.index: s for s in stages}, plan
+        self._pp, self._device = grid.axis(Axis.PP), grid.device
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        plan, me = self._plan, self._pp.rank
+        length, carry, out = self._model.num_tokens(x), None, None
+        local = enter_regions(self._model, length, self._device)
+        for s in range(plan.num_stages):
+            if plan.stage_rank(s) != me:
+                continue
+            stage = self._stages[s]
+            stage.length = length
+            if s > 0 and plan.stage_rank(s - 1) != me:
+                carry = recv((x.shape[0], local, self._model.cfg.embed_dim), torch.float32, self._device,
+                             self._pp, plan.stage_rank(s - 1))
+            carry = stage(x if s == 0 else carry)
+            if stage.is_last:
+                out = carry
+            elif plan.stage_rank(s + 1) != me:
+                send(carry, self._pp, plan.stage_rank(s + 1))
+        return out
+
+    def from_last_stage(self, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """`value` as the last stage's rank computed it, on every pp rank (`like`: its shape and dtype)."""
+        buffer = value if value is not None else torch.empty_like(like)
+        return broadcast_(buffer.contiguous(), self._pp, self._plan.stage_rank(self._plan.num_stages - 1))
+
+
+def from_last_stage(model, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """`value` on every pp rank when `model` is a pipeline's forward pass; `value` itself otherwise."""
+    return model.from_last_stage(value, like) if isinstance(model, PipelineForward) else value

@@ -1,0 +1,167 @@
+"""Pipeline stages cut from the one model definition, and the torch stages that run them.
+
+- `cut_for_rank(model, plan, pp_rank)` deletes from a full serial model what this rank's stages do not
+  hold, before tensor and context parallelism shard the rest: the blocks it keeps stay under their
+  global names (`blocks` becomes an `nn.ModuleDict` keyed by the block index), the model's first part
+  (`embed`) stays only with stage 0 and its last part (`output`) only with the last stage
+  (`PIPELINE_ENDS` of networks/vit.py and networks/transformer.py names their attributes). Parts
+  without parameters (dropouts, sequence markers, the criterion) stay everywhere. So the rank's module
+  has the full model's state-dict names for what it holds: checkpoints keep global names, and the
+  rank modules of a pipeline partition the full model's keys.
+- `StageModule`: one stage of a cut model (a rank holds one, or two under looped and V schedules):
+  its blocks and, on the first and last stage, the ends it runs, registered under the same names.
+  A stage that starts inside the sequence-split region first tells the region's layouts the full
+  sequence length (`enter_regions`), as the 'enter' marker does on the first stage.
+- `CountedStage`: torch's `PipelineStage` given static shapes (no shape-inference pass), counting the
+  activation and gradient bytes it sends on the pp axis and the seconds it computes (for the bubble).
+
+Tied embeddings: when the first and last stage are on different ranks, each holds a copy of the
+weight (equal at the start); `Pipeline.sync_grads` sums their gradients so they stay equal.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from distributed.collectives import nbytes, split_sizes
+from distributed.context.parallelize import EnterContext
+from distributed.counting import record
+from distributed.pipeline.plan import PipelinePlan
+from distributed.tensor.layers import ScatterSequence
+from utils.comm import AxisGroup
+
+
+def _ends(model: nn.Module) -> tuple[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]]]:
+    """((first part's method, its attributes), (last part's method, its attributes))."""
+    (first, first_names), (last, last_names) = model.PIPELINE_ENDS.items()
+    return (first, first_names), (last, last_names)
+
+
+def _holds_parameters(value) -> bool:
+    return isinstance(value, nn.Parameter) or (isinstance(value, nn.Module) and any(True for _ in value.parameters()))
+
+
+def cut_for_rank(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> nn.Module:
+    """Keep (in place) only what pp rank `pp_rank`'s stages hold; returns `model`."""
+    stages = plan.stages_of(pp_rank)
+    keep = {i for s in stages for i in plan.blocks_of(s)}
+    model.blocks = nn.ModuleDict({name: b for name, b in model.blocks.named_children() if int(name) in keep})
+    (_, first_names), (_, last_names) = _ends(model)
+    dropped = (first_names if 0 not in stages else ()) + (last_names if plan.num_stages - 1 not in stages else ())
+    for name in dropped:
+        if _holds_parameters(getattr(model, name)):
+            setattr(model, name, None)
+    model.pipeline_stages = stages
+    return model
+
+
+def enter_regions(model: nn.Module, length: int, device: torch.device) -> int:
+    """Fix the sequence layouts of `model`'s split region for `length` tokens, as its 'enter' marker
+    does; returns the tokens this rank holds inside the region."""
+    for module in model.modules():  # pre-order: cp's split wraps tp's
+        if isinstance(module, EnterContext):
+            module.shards.enter(length, device)
+            length = module.shards.sizes[module.shards.axis.rank]
+        elif isinstance(module, ScatterSequence):
+            module.shards.enter(length)
+            length = split_sizes(length, module.axis.size)[module.axis.rank]
+    return length
+
+
+def head_tokens(model: nn.Module, length: int) -> int:
+    """Tokens reaching the head for `length` (after cp's split; tp's is gathered before the head)."""
+    shards = getattr(model, "context_shards", None)
+    return length if shards is None else shards.sizes[shards.axis.rank]
+
+
+class StageModule(nn.Module):
+    """Stage `index` of a cut model: its blocks and the model's ends it runs, under their global names.
+
+    `length` (tokens of the full sequence) must be set before a stage other than the first runs.
+    `autocast`: the context its forward runs in (the loss is computed outside, in float32).
+    """
+
+    def __init__(self, model: nn.Module, index: int, plan: PipelinePlan, autocast):
+        super().__init__()
+        self.index, self.autocast, self.length = index, autocast, 0
+        self.is_first, self.is_last = index == 0, index == plan.num_stages - 1
+        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in plan.blocks_of(index)})
+        (self.first_part, first_names), (self.last_part, last_names) = _ends(model)
+        for name in (first_names if self.is_first else ()) + (last_names if self.is_last else ()):
+            value = getattr(model, name)
+            if isinstance(value, nn.Parameter):
+                self.register_parameter(name, value)
+            else:
+                setattr(self, name, value)
+        self._model = (model,)  # not a submodule: its other parts belong to other stages
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self._model[0]
+        with self.autocast():
+            if self.is_first:
+                x = getattr(model, self.first_part)(x)
+            else:
+                enter_regions(model, self.length, x.device)
+            for block in self.blocks.values():
+                x = block(x)
+            return getattr(model, self.last_part)(x) if self.is_last else x
+
+
+class CountedStage(PipelineStage):
+    """A PipelineStage that counts the bytes it sends on `axis` and the seconds it computes (`busy`)."""
+
+    def __init__(self, *args, axis: AxisGroup, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.axis, self.busy = axis, 0.0
+
+    def _timed(self, run, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # wall time of the kernels, not of their launch
+            self.busy += time.perf_counter() - start
+
+    def forward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        record(self.axis, sum(nbytes(op.tensor) for op in ops))
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        record(self.axis, sum(nbytes(op.tensor) for op in ops))
+        return ops
+
+
+def build_stages(model: nn.Module, plan: PipelinePlan, *, axis: AxisGroup, example: torch.Tensor, length: int,
+                 out_dtype: torch.dtype, autocast) -> list[CountedStage]:
+    """This rank's torch stages, with static shapes for one microbatch like `example` (meta is fine)."""
+    device = next(model.parameters()).device
+    mb = example.shape[0]
+    # requires_grad: activations between stages carry gradients back (the first stage's input does not)
+    hidden = torch.empty(mb, enter_regions(model, length, device), model.cfg.embed_dim, device="meta",
+                         requires_grad=True)
+    output = torch.empty(model.output_shape(mb, head_tokens(model, length)), dtype=out_dtype, device="meta",
+                         requires_grad=True)
+    stages = []
+    for index in model.pipeline_stages:
+        module = StageModule(model, index, plan, autocast)
+        module.length = length
+        stages.append(CountedStage(module, index, plan.num_stages, device, axis=axis,
+                                   input_args=example if index == 0 else hidden,
+                                   output_args=output if module.is_last else hidden, group=axis.group))
+    return stages
