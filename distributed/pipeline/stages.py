@@ -155,8 +155,10 @@ def build_stages(model: nn.Module, plan: PipelinePlan, *, axis: AxisGroup, examp
     # requires_grad: activations between stages carry gradients back (the first stage's input does not)
     hidden = torch.empty(mb, enter_regions(model, length, device), model.cfg.embed_dim, device="meta",
                          requires_grad=True)
-    output = torch.empty(model.output_shape(mb, head_tokens(model, length)), dtype=out_dtype, device="meta",
-                         requires_grad=True)
+    output = None
+    if plan.num_stages - 1 in model.pipeline_stages:  # the model's output (torch neither sends nor checks it)
+        output = torch.empty(model.output_shape(mb, head_tokens(model, length)), dtype=out_dtype, device="meta",
+                             requires_grad=True)
     stages = []
     for index in model.pipeline_stages:
         module = StageModule(model, index, plan, autocast)
