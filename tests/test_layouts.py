@@ -1,7 +1,8 @@
 """Layout invariance through the real entry points: every layout follows the single-process loss curve.
 
 fp32 on CPU with dropout 0: the per-step training loss and gradient norm of dp, tp, cp (ring and
-all-gather attention, uneven patches) and their products match the one-process run within relative
+all-gather attention, uneven patches), pp (every kind of schedule: GPipe, 1F1B, interleaved, the V-shaped
+zero bubble; tied embeddings across stages) and their products match the one-process run within relative
 1e-4 for 10 steps, for the ViT and for the language model. Runs go
 through train_mp.py (and once through torchrun), exactly as users launch them.
 """
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distributed.collectives import ring_bytes
 from tests.conftest import ROOT, read_scalars, run_entry
@@ -33,11 +35,18 @@ LAYOUTS = {
     "tp2cp2_allgather": ["parallel=tp2cp2", "parallel.cp_attention=allgather"],
     "cp2dp2": ["parallel=cp2", "parallel.dp=2"],  # gradients summed over cp, averaged over dp, in one reduction
     "cp2_accum2_ckpt": ["parallel=cp2", "trainer.grad_accum_steps=2", "trainer.activation_checkpointing=true"],
+    "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe"],
+    "pp2_1f1b": ["parallel=pp2", "parallel.pp_schedule=1f1b"],
+    "pp2_interleaved": ["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"],  # 4 stages of one block
+    "pp2dp2": ["parallel=pp2", "parallel.dp=2"],  # one dp reduction after the last microbatch
+    "pp2tp2": ["parallel=pp2", "parallel.tp=2"],
+    "pp2cp2": ["parallel=pp2", "parallel.cp=2"],
 }
 # A layout's group structure under each order is tested in tests/test_grid.py; here, one 4-rank
 # product per pair of axes and model is enough to keep the suite within its time.
-VIT_LAYOUTS = ["dp2", "tp2", "tp2dp2", "dp2_accum2", "cp3", "tp2cp2_allgather", "cp2dp2"]
-GPT_LAYOUTS = ["dp2", "tp2", "cp2", "tp2cp2_allgather", "cp2_accum2_ckpt"]
+VIT_LAYOUTS = ["dp2", "tp2", "tp2dp2", "dp2_accum2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
+               "pp2_interleaved", "pp2dp2"]
+GPT_LAYOUTS = ["dp2", "tp2", "cp2", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2_1f1b", "pp2tp2", "pp2cp2"]
 
 
 def curves(run_dir):
@@ -88,6 +97,27 @@ def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5
     for axis in ("tp", "cp"):
         if axis in layout:
             assert scalars[f"comm/{axis}_bytes"][0][1] > 0
+    if layout == "pp2_gpipe":  # exact: rank 0 sends m microbatches' activations (B/m x N x D fp32), then
+        # the loss and bubble (2 floats), the grad norm's sum of squares and the two flags over pp
+        cfg, _, _ = load_config([*VIT, f"data.root={era5_root}"])
+        activations = 8 * 128 * cfg.model.embed_dim * 4  # global batch x 128 patches x D, in 2 microbatches
+        assert [v for _, v in scalars["comm/pp_bytes"]] == [activations + 8 + 4 + 8] * STEPS
+        bubble = [v for _, v in scalars["perf/pp_bubble"]]
+        assert all(0 < b < 1 for b in bubble) and scalars["perf/pp_bubble_formula"][0][1] == pytest.approx(1 / 3)
+
+
+def test_vit_pp2_zbv_resumes_stage_checkpoints(vit_reference, era5_root):
+    """The V schedule (rank 0 holds the first and last stage) stops at step 5 with each rank's stages in
+    its checkpoint file under their global names, and the resumed run follows the uninterrupted curve."""
+    reference, tmp = vit_reference
+    args = [f"data.root={era5_root}", "parallel=pp2", "parallel.pp_schedule=zbv", "trainer.ckpt_every=0"]
+    run_dir = run_layout(tmp, "pp2_zbv", VIT, *args, "trainer.stop_at_step=5")
+    files = [torch.load(f, weights_only=False)["model"] for f in sorted((run_dir / "checkpoints").glob("*/rank_*.pt"))]
+    assert {"patch_embed.weight", "blocks.0.attn.qkv.weight", "blocks.3.mlp.fc2.bias", "head.weight"} <= set(files[0])
+    assert {"blocks.1.norm1.weight", "blocks.2.attn.proj.weight"} <= set(files[1])
+    assert not set(files[0]) & set(files[1])
+    run_layout(tmp, "pp2_zbv", VIT, *args)
+    assert_same_curve(reference, curves(run_dir))
 
 
 def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
