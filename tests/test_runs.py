@@ -50,7 +50,7 @@ def test_checkpoint_of_another_layout_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("args,setting", [(["parallel.cp=2", "model.dropout=0.1"], "parallel.cp_attention"),
-                                          (["parallel.pp=2"], "parallel.pp"),
+                                          (["parallel.pp=8"], "parallel.pp"),  # 8 stages for 4 blocks
                                           (["parallel.tp=3"], "parallel.tp")])
 def test_unsupported_layouts_stop_before_any_work(args, setting, tmp_path):
     proc = run_entry("train_mp.py", f"run.root={tmp_path}", *args, timeout=120)

@@ -3,9 +3,10 @@
 Builds the trainer with `utils.build.build_trainer`, the setup train.py uses (any layout under torchrun),
 feeds random batches of the training shapes (no data files needed), runs `--warmup` steps, times
 `--steps` steps of Trainer.train_step and prints one markdown table row: samples/s, tokens/s,
-TFLOP/s per device, MFU, peak memory, the activation memory this rank keeps for backward (the bytes
-of the tensors autograd saves in one micro-batch's forward, weights excluded: what tp, cp and
-activation checkpointing shrink), with device and date. Under torchrun every rank prints its row.
+TFLOP/s per device, MFU, peak memory, the activation memory this rank keeps for backward (the peak
+bytes of the tensors autograd holds during one step, weights excluded: what tp, cp, activation
+checkpointing and the pipeline schedule shrink), with device and date; under pipeline parallelism a
+second line gives the measured bubble next to the formula. Under torchrun every rank prints its row.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -52,8 +54,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(trainer, warmup: int, steps: int) -> float:
-    """Seconds per Trainer.train_step on a random batch of the training shapes, after `warmup` steps."""
+def time_steps(trainer, warmup: int, steps: int) -> tuple[float, list[float]]:
+    """Seconds per Trainer.train_step on a random batch of the training shapes, after `warmup` steps, and
+    under pipeline parallelism the measured bubble of every timed step."""
     grid = trainer.grid
     x, y = trainer.task.example_batch(trainer.tc.global_batch_size // grid.size(Axis.DP), grid.device)
     for _ in range(warmup):
@@ -61,28 +64,55 @@ def time_steps(trainer, warmup: int, steps: int) -> float:
     synchronize(grid.device)
     if grid.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(grid.device)
-    start = time.perf_counter()
+    start, bubbles = time.perf_counter(), []
     for _ in range(steps):
         trainer.train_step(x, y)
+        if trainer.pipeline is not None:
+            bubbles.append(trainer.pipeline.bubble)
     synchronize(grid.device)
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, bubbles
+
+
+class _Saved:
+    """A tensor autograd saved, held until autograd drops it (then `weakref.finalize` counts it freed)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
 
 
 def saved_for_backward_bytes(trainer, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Bytes of the tensors autograd saves in one forward of the loss of micro-batch (x, y) on this
-    rank, each storage once, parameters excluded (the unwrapped model: no data-parallel hooks run)."""
+    """Peak bytes of the tensors autograd holds for backward during one Trainer.train_step on (x, y), each
+    storage once, parameters excluded. Without pipeline parallelism that is one micro-batch's forward;
+    with it, every microbatch the schedule has in flight at once (1F1B: about one per stage, GPipe: all)."""
     params = {p.untyped_storage().data_ptr() for p in trainer.raw_model.parameters()}
-    saved: dict[int, int] = {}
+    live: dict[int, list[int]] = {}  # storage -> [bytes, saved references]
+    total = peak = 0
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
+    def release(ptr: int) -> None:
+        nonlocal total
+        live[ptr][1] -= 1
+        if live[ptr][1] == 0:
+            total -= live.pop(ptr)[0]
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer.autocast():
-        trainer.raw_model.criterion(trainer.raw_model(x), y)
-    return sum(saved.values())
+    def pack(t: torch.Tensor):
+        nonlocal total, peak
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in params:
+            return t
+        if ptr not in live:
+            live[ptr] = [t.untyped_storage().nbytes(), 0]
+            total += live[ptr][0]
+            peak = max(peak, total)
+        live[ptr][1] += 1
+        held = _Saved(t)
+        weakref.finalize(held, release, ptr)
+        return held
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor if isinstance(h, _Saved) else h):
+        trainer.train_step(x, y)
+    return peak
 
 
 def run(argv: list[str]) -> str:
@@ -92,17 +122,23 @@ def run(argv: list[str]) -> str:
     task = build_task(cfg, load_data=False)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(cfg, task, grid, logging.getLogger("dlscale"), Path(tmp))
-        seconds = time_steps(trainer, warmup, steps)
-        micro = trainer.tc.global_batch_size // trainer.grid.size(Axis.DP) // trainer.tc.grad_accum_steps
-        saved = saved_for_backward_bytes(trainer, *trainer.task.example_batch(micro, grid.device))
+        seconds, bubbles = time_steps(trainer, warmup, steps)
+        batch = trainer.tc.global_batch_size // trainer.grid.size(Axis.DP)
+        saved = saved_for_backward_bytes(trainer, *trainer.task.example_batch(batch, grid.device))
     perf = trainer.throughput(seconds)
+    pipeline = ""
+    if trainer.pipeline is not None:
+        plan = trainer.pipeline.plan
+        pipeline = (f"\npipeline {plan.schedule}: p={plan.pp}, {plan.stages_per_rank} stage(s) per rank, "
+                    f"m={plan.microbatches}: bubble measured {sum(bubbles) / len(bubbles):.3f} "
+                    f"(mean over pp ranks and timed steps), formula {plan.bubble():.3f}")
     utilization = perf.get("perf/mfu")
     return (f"| {datetime.date.today()} | {device_name(grid.device)} | {choices['model']} | {cfg.precision.mode} "
             f"| {cfg.precision.compile} | {grid.name} | {cfg.trainer.global_batch_size} "
             f"| {perf['perf/samples_per_sec']:.1f} | {perf['perf/tokens_per_sec']:.0f} "
             f"| {perf['perf/tflops_per_sec']:.1f} "
             f"| {'n/a' if utilization is None else f'{100 * utilization:.1f}%'} | {peak_memory_gib(grid.device):.2f} "
-            f"| {saved / 2**20:.1f} |")
+            f"| {saved / 2**20:.1f} |" + pipeline)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,9 @@ class Pipeline:
         over pp). `scale`: the loss scaler's scale function."""
         self.losses.clear()
         self.divisor, self.scale = accum * self.plan.microbatches, scale
+        # The fp16 scaler starts its scale at its first `scale` call; ranks without the last stage never
+        # scale a loss, but their gradients carry the last stage's scale and are unscaled with it.
+        scale(torch.zeros((), device=self.grid.device))
         length = self.model.num_tokens(inputs)
         for stage in self.stages:
             stage.busy = 0.0
