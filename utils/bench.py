@@ -129,7 +129,8 @@ def run(argv: list[str]) -> str:
     pipeline = ""
     if trainer.pipeline is not None:
         plan = trainer.pipeline.plan
-        pipeline = (f"\npipeline {plan.schedule}: p={plan.pp}, {plan.stages_per_rank} stage(s) per rank, "
+        pipeline = (f"\npipeline {plan.schedule}, pp rank {grid.rank(Axis.PP)} (stages "
+                    f"{plan.stages_of(grid.rank(Axis.PP))}): p={plan.pp}, {plan.stages_per_rank} stage(s) per rank, "
                     f"m={plan.microbatches}: bubble measured {sum(bubbles) / len(bubbles):.3f} "
                     f"(mean over pp ranks and timed steps), formula {plan.bubble():.3f}")
     utilization = perf.get("perf/mfu")

@@ -155,5 +155,10 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
     log.info(f"grid: {grid.signature}; run.dir: {trainer.run_dir}")
+    if trainer.pipeline is not None:
+        plan = trainer.pipeline.plan
+        log.info(f"pipeline: {plan.schedule}, {plan.num_stages} stages ({plan.stages_per_rank} per rank), "
+                 f"{plan.microbatches} microbatches per step, bubble (p-1)/(v*m+p-1) = {plan.bubble():.3f}\n"
+                 + "\n".join(plan.describe()))
     log.info(param_bytes_report(trainer.raw_model, trainer.optimizer))
     log.info(f"data: {task.describe()}")
