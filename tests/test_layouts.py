@@ -36,16 +36,17 @@ LAYOUTS = {
     "cp2dp2": ["parallel=cp2", "parallel.dp=2"],  # gradients summed over cp, averaged over dp, in one reduction
     "cp2_accum2_ckpt": ["parallel=cp2", "trainer.grad_accum_steps=2", "trainer.activation_checkpointing=true"],
     "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe"],
+    "pp2_1f1b": ["parallel=pp2", "parallel.pp_schedule=1f1b"],
     "pp2_interleaved": ["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"],  # 4 stages of one block
     "pp2tp2": ["parallel=pp2", "parallel.tp=2"],
     "pp2cp2": ["parallel=pp2", "parallel.cp=2"],
 }
 # A layout's group structure under each order is tested in tests/test_grid.py; here, one 4-rank
 # product per pair of axes and model is enough to keep the suite within its time.
-# Pipeline schedules: every one against the serial gradients in tests/test_pipeline.py; here GPipe,
+# Pipeline schedules: every one against the serial gradients in tests/test_pipeline.py; here GPipe, 1F1B,
 # interleaved 1F1B, ZBV x dp2 (with a resume, below), and 1F1B with the LM's tied embedding under tp and cp.
 VIT_LAYOUTS = ["dp2", "tp2", "tp2dp2", "dp2_accum2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
-               "pp2_interleaved"]
+               "pp2_1f1b", "pp2_interleaved"]
 GPT_LAYOUTS = ["dp2", "tp2", "cp2", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2", "pp2cp2"]
 
 
