@@ -16,7 +16,7 @@ import torch
 
 from distributed.grad_norm import grad_norm
 from distributed.pipeline.plan import SCHEDULES, block_split, bubble_fraction, resolve_plan
-from distributed.pipeline.schedule import Pipeline
+from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stages import build_stages, cut_for_rank
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
@@ -25,7 +25,7 @@ from utils.comm import Axis, ParallelConfig, init_grid
 from utils.config import load_config
 from utils.errors import ConfigError
 
-EMBED, BATCH, SEQ, VOCAB, MICRO = 32, 8, 16, 50, 4
+EMBED, BATCH, SEQ, VOCAB, MICRO, DEPTH = 32, 8, 16, 50, 8, 8
 
 
 def gpt(depth: int = 4, tie: bool = True) -> GPT:
@@ -52,13 +52,17 @@ def test_placements_and_bubble_formula():
     assert resolve_plan("1f1b", 4, 0, 8, 4).bubble() == pytest.approx(3 / 11)  # (p-1)/(m+p-1)
     assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)  # (p-1)/(v*m+p-1): interleaving shrinks it
     assert "stage 3: block 4 + head" in "\n".join(resolve_plan("zbv", 2, 0, 0, 5).describe())
+    assert resolve_plan("zbv", 2, 0, 3, 4).bubble() is None  # zero bubble: no closed form; any m (torch pads)
+    assert resolve_plan("looped_bfs", 2, 0, 5, 4).microbatches == 5  # no rounds rule for the BFS loop
 
 
 @pytest.mark.parametrize("override,setting", [
     (["parallel.pp=4", "model.depth=3"], "parallel.pp"),  # more stages than blocks
     (["parallel.pp=2", "parallel.pp_schedule=chimera"], "parallel.pp_schedule"),
     (["parallel.pp=4", "parallel.pp_microbatches=2"], "parallel.pp_microbatches"),  # 1f1b needs >= 4
-    (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
+    (["parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b", "model.depth=8", "parallel.pp_microbatches=9"],
+     "parallel.pp_microbatches"),  # rounds of pp
     (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=3"], "parallel.pp_stages_per_rank"),
     (["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank"),
     (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "precision.compile=true"], "precision.compile"),
@@ -85,24 +89,25 @@ def test_stage_state_dicts_partition_the_full_model(build, schedule, pp, stages_
 
 
 def _serial_reference(x, y):
-    model = gpt()
-    loss = model.loss(x, y)
+    model = gpt(DEPTH)
+    logits = model(x)
+    loss = model.criterion(logits, y)
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     grads["lm_head.weight"] = grads["tok_embed.weight"]  # tied: one parameter under two names
     norm = torch.cat([g.flatten() for g in grads.values()][:-1]).norm()
-    return loss.detach(), grads, norm
+    return loss.detach(), logits.detach(), grads, norm
 
 
 def _schedules_match_serial(rank: int, world_size: int, schedules: list[str]) -> None:
     grid = init_grid(ParallelConfig(pp=world_size))
     torch.manual_seed(1)
     x, y = torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
-    loss_ref, grads_ref, norm_ref = _serial_reference(x, y)
+    loss_ref, logits_ref, grads_ref, norm_ref = _serial_reference(x, y)
     example = torch.empty(BATCH // MICRO, SEQ, dtype=torch.long, device="meta")
     for schedule in schedules:
-        plan = resolve_plan(schedule, world_size, 0, MICRO, 4)
-        model = cut_for_rank(gpt(), plan, grid.rank(Axis.PP))
+        plan = resolve_plan(schedule, world_size, 0, MICRO, DEPTH)
+        model = cut_for_rank(gpt(DEPTH), plan, grid.rank(Axis.PP))
         stages = build_stages(model, plan, axis=grid.axis(Axis.PP), example=example, length=SEQ,
                               out_dtype=torch.float32, autocast=contextlib.nullcontext)
         pipeline = Pipeline(model, stages, plan, grid)
@@ -114,8 +119,16 @@ def _schedules_match_serial(rank: int, world_size: int, schedules: list[str]) ->
         norm = grad_norm(model, grid=grid, skip=pipeline.duplicates)
         assert norm.item() == pytest.approx(norm_ref.item(), rel=1e-5), schedule
         assert 0 <= pipeline.bubble < 1
+        with torch.no_grad():  # the forward-only pass (validation, decoding): output on the last stage's rank
+            out = PipelineForward(model, [s.submod for s in stages], plan, grid)(x)
+        assert (out is None) == (plan.num_stages - 1 not in plan.stages_of(grid.rank(Axis.PP))), schedule
+        if out is not None:
+            torch.testing.assert_close(out, logits_ref, rtol=1e-5, atol=1e-6, msg=schedule)
 
 
-@pytest.mark.parametrize("world_size,schedules", [(2, list(SCHEDULES)), (4, ["gpipe", "1f1b"])])
+@pytest.mark.parametrize("world_size,schedules", [(2, list(SCHEDULES)),
+                                                  (4, ["gpipe", "1f1b", "interleaved_1f1b", "zbv"])])
 def test_every_schedule_matches_the_serial_loss_and_gradients(world_size, schedules, tmp_path):
+    """pp=2: all seven schedules; pp=4: single-stage, looped (v=2: 8 stages, tied copies on pp ranks 0
+    and 3 through their own group) and V placements (8 stages)."""
     run_ranks(_schedules_match_serial, world_size, tmp_path, schedules, timeout_s=240)

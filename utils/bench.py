@@ -132,7 +132,7 @@ def run(argv: list[str]) -> str:
         pipeline = (f"\npipeline {plan.schedule}, pp rank {grid.rank(Axis.PP)} (stages "
                     f"{plan.stages_of(grid.rank(Axis.PP))}): p={plan.pp}, {plan.stages_per_rank} stage(s) per rank, "
                     f"m={plan.microbatches}: bubble measured {sum(bubbles) / len(bubbles):.3f} "
-                    f"(mean over pp ranks and timed steps), formula {plan.bubble():.3f}")
+                    f"(mean over pp ranks and timed steps); {plan.bubble_text()}")
     utilization = perf.get("perf/mfu")
     return (f"| {datetime.date.today()} | {device_name(grid.device)} | {choices['model']} | {cfg.precision.mode} "
             f"| {cfg.precision.compile} | {grid.name} | {cfg.trainer.global_batch_size} "

@@ -61,9 +61,9 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     if cfg.trainer.activation_checkpointing or cfg.precision.compile:
         wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
     # The stream dropout draws from: fixed by the seed after setup (which draws differently per layout),
-    # distinct per data-parallel replica. Tensor-parallel ranks share it; dropouts on tp-sharded
-    # activations fork a stream per shard from it (distributed/rng.py).
-    torch.manual_seed(cfg.trainer.seed * 1_000_003 + 1 + grid.rank(Axis.DP))
+    # distinct per data-parallel replica and pipeline rank. Tensor-parallel ranks share it; dropouts on
+    # tp-sharded activations fork a stream per shard from it (distributed/rng.py).
+    torch.manual_seed(cfg.trainer.seed * 1_000_003 + 1 + grid.rank(Axis.DP) + grid.size(Axis.DP) * grid.rank(Axis.PP))
     if plan is None:
         return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
     return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
@@ -158,7 +158,7 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     if trainer.pipeline is not None:
         plan = trainer.pipeline.plan
         log.info(f"pipeline: {plan.schedule}, {plan.num_stages} stages ({plan.stages_per_rank} per rank), "
-                 f"{plan.microbatches} microbatches per step, bubble (p-1)/(v*m+p-1) = {plan.bubble():.3f}\n"
+                 f"{plan.microbatches} microbatches per step, {plan.bubble_text()}\n"
                  + "\n".join(plan.describe()))
     log.info(param_bytes_report(trainer.raw_model, trainer.optimizer))
     log.info(f"data: {task.describe()}")

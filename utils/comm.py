@@ -340,7 +340,7 @@ def layout_main(argv: list[str] | None = None) -> int:
     print(grid.describe())
     if plan is not None:
         print(f"pipeline: {plan.schedule}, {plan.num_stages} stages ({plan.stages_per_rank} per rank), "
-              f"{plan.microbatches} microbatches, bubble (p-1)/(v*m+p-1) = {plan.bubble():.3f}")
+              f"{plan.microbatches} microbatches, {plan.bubble_text()}")
         print("\n".join(plan.describe()))
     return 0
 

@@ -249,7 +249,9 @@ class Trainer:
                   **self.throughput(step_time), "mem/peak_gib": peak_memory_gib(self.device)}
         values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})
         if self.pipeline is not None:  # measured idle fraction of the schedule's steps, and the theory's
-            values.update({"perf/pp_bubble": self.pipeline.bubble, "perf/pp_bubble_formula": self.pipeline.plan.bubble()})
+            values["perf/pp_bubble"] = self.pipeline.bubble
+            if (formula := self.pipeline.plan.bubble()) is not None:
+                values["perf/pp_bubble_formula"] = formula
         self.tb.scalars(values, self.step)
         self.progress.update(self.step, loss, values["perf/samples_per_sec"], lr)
 

@@ -8,7 +8,8 @@ the stage builder (`distributed/pipeline/stages.py`):
 - `block_split(depth, stages)`: contiguous blocks per stage; when depth is not a multiple of the stage
   count, the first depth % stages stages hold one block more (the stated rule for uneven splits);
 - `check_pipeline`: the settings torch's schedules would reject, as one-line errors before any work;
-- `bubble_fraction(p, m, v)`: the idle fraction of a step the schedule theory predicts.
+- `bubble_fraction(p, m, v)`: the idle fraction of a step the schedule theory predicts (GPipe, 1F1B,
+  looped and interleaved; the zero-bubble schedules have none in closed form).
 """
 
 from __future__ import annotations
@@ -63,8 +64,18 @@ class PipelinePlan:
         """Indices of the blocks `stage` holds."""
         return block_split(self.depth, self.num_stages)[stage]
 
-    def bubble(self) -> float:
+    def bubble(self) -> float | None:
+        """The theory's idle fraction; None for the zero-bubble schedules (no closed form: about zero
+        when forward, input-gradient and weight-gradient times are equal)."""
+        if self.schedule in SPLIT_BACKWARD:
+            return None
         return bubble_fraction(self.pp, self.microbatches, self.stages_per_rank)
+
+    def bubble_text(self) -> str:
+        bubble = self.bubble()
+        if bubble is None:
+            return "bubble ~0 in theory (zero-bubble schedule, when forward, input- and weight-gradient times match)"
+        return f"bubble (p-1)/(v*m+p-1) = {bubble:.3f}"
 
     def describe(self) -> list[str]:
         """One line per pp rank: its stages and their blocks."""
@@ -118,11 +129,10 @@ def check_pipeline(plan: PipelinePlan) -> None:
     require(m >= 1, f"pp_microbatches must be positive, got {m}", "parallel.pp_microbatches", "set 0 (default) or more")
     require(stages <= plan.depth, f"{stages} pipeline stages (pp={plan.pp} x {v} per rank) for {plan.depth} blocks",
             "parallel.pp", f"use at most {plan.depth} stages, or a deeper model.depth")
-    if name in ("1f1b", "zbv", "dualpipev") or (name == "gpipe" and plan.pp > 1):
-        need = stages if name != "gpipe" else 1
-        require(m >= need, f"pp_schedule={name} needs at least {need} microbatches (one per stage), got {m}",
-                "parallel.pp_microbatches", f"set parallel.pp_microbatches >= {need}")
-    if style == "loop":
+    if name in ("1f1b", "dualpipev"):  # torch's own checks; zbv pads its schedule to any m
+        require(m >= stages, f"pp_schedule={name} needs at least {stages} microbatches (one per stage), got {m}",
+                "parallel.pp_microbatches", f"set parallel.pp_microbatches >= {stages}")
+    if name in ("interleaved_1f1b", "interleaved_zero_bubble"):
         rounds = max(1, m // plan.pp)
         require(m % rounds == 0, f"pp_schedule={name} runs microbatches in rounds of pp={plan.pp}: {m} is not a "
                 f"multiple of its {rounds} rounds", "parallel.pp_microbatches",

@@ -66,13 +66,14 @@ class Pipeline:
         scale(torch.zeros((), device=self.grid.device))
         length = self.model.num_tokens(inputs)
         for stage in self.stages:
-            stage.busy = 0.0
+            stage.reset_busy()
             stage.submod.length = length
         start = time.perf_counter()
         for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
             args = (x,) if self.has_first else ()
             self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
-        idle = 1.0 - sum(s.busy for s in self.stages) / max(time.perf_counter() - start, 1e-9)
+        busy = sum(s.busy_seconds() for s in self.stages)  # on GPUs: after the step's kernels finished
+        idle = 1.0 - busy / max(time.perf_counter() - start, 1e-9)
         loss = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.grid.device)
         totals = all_reduce_(torch.stack([loss.float(), torch.tensor(idle, device=loss.device)]), self.pp)
         self.bubble = totals[1].item() / self.pp.size

@@ -112,20 +112,43 @@ class StageModule(nn.Module):
 
 
 class CountedStage(PipelineStage):
-    """A PipelineStage that counts the bytes it sends on `axis` and the seconds it computes (`busy`)."""
+    """A PipelineStage that counts the bytes it sends on `axis` and the time it computes (`busy_seconds`).
+
+    On CPU a chunk's wall time is its compute (gloo's waits block before the chunk starts). On GPUs the
+    chunk is timed by CUDA events on the compute stream, which NCCL's receives make wait first: the
+    events measure the kernels, not the wait, and the host never synchronizes inside the step.
+    """
 
     def __init__(self, *args, axis: AxisGroup, **kwargs):
         super().__init__(*args, **kwargs)
-        self.axis, self.busy = axis, 0.0
+        self.axis = axis
+        self.reset_busy()
+
+    def reset_busy(self) -> None:
+        self._busy, self._events = 0.0, []
+
+    def busy_seconds(self) -> float:
+        """Compute time since `reset_busy` (on GPUs: waits for the step's kernels to finish)."""
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            self._busy += sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+            self._events = []
+        return self._busy
 
     def _timed(self, run, *args, **kwargs):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                end.record()
+                self._events.append((start, end))
         start = time.perf_counter()
         try:
             return run(*args, **kwargs)
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # wall time of the kernels, not of their launch
-            self.busy += time.perf_counter() - start
+            self._busy += time.perf_counter() - start
 
     def forward_one_chunk(self, *args, **kwargs):
         return self._timed(super().forward_one_chunk, *args, **kwargs)
