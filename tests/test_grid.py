@@ -95,3 +95,15 @@ def _check_groups(rank: int, world_size: int) -> None:
 
 def test_init_grid_groups_match_layout(tmp_path):
     run_ranks(_check_groups, 4, tmp_path)
+
+
+def test_layout_command_prints_pp_groups_and_the_blocks_of_every_stage(capsys):
+    from utils.comm import layout_main
+
+    assert layout_main(["pp=2", "dp=2", "depth=5", "pp_schedule=zbv"]) == 0
+    out = capsys.readouterr().out
+    assert "pp groups: [[0, 2], [1, 3]]" in out
+    assert "pp rank 0: stage 0: blocks 0-1 + embedding; stage 3: block 4 + head" in out
+    assert "pp rank 1: stage 1: block 2; stage 2: block 3" in out
+    assert layout_main(["pp=4", "depth=3"]) == 2  # more stages than blocks: the one-line error, exit 2
+    assert "(parallel.pp)" in capsys.readouterr().err
