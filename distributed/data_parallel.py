@@ -8,7 +8,8 @@
 - `sync_partial_grads` sums over tp the gradients that layers declare partial (`partial_grad_axes` and
   `partial_grad_params()` of `distributed/tensor/layers.py`: LayerNorms and row-parallel biases under
   sequence parallelism, whose ranks each saw only their own tokens), in one coalesced all-reduce per axis.
-  Call it after the last backward of a step, before clipping and the optimizer step.
+  Call it after the last backward of a step, before clipping and the optimizer step. `sum_grads` is its
+  reduction (one flat all-reduce per dtype), shared with the pipeline's dp sync (distributed/pipeline/).
 - `no_sync` skips DDP's all-reduce for gradient-accumulation micro-batches, wrapped or not.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -94,6 +96,13 @@ def sync_partial_grads(model: nn.Module) -> None:
     Records 2(t-1)/t x bytes of the flat buffer on the axis. Parameters without a gradient are skipped.
     """
     for axis, params in partial_grad_params(unwrap(model)).values():
-        grads = [p.grad for p in params if p.grad is not None]
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            all_reduce_coalesced_([g for g in grads if g.dtype == dtype], axis)
+        sum_grads(params, axis)
+
+
+def sum_grads(params: list[nn.Parameter], axis: AxisGroup) -> list[torch.Tensor]:
+    """Sum the gradients of `params` (those that have one) over `axis` in place, one flat all-reduce per
+    dtype; returns the gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        all_reduce_coalesced_([g for g in grads if g.dtype == dtype], axis)
+    return grads

@@ -23,7 +23,8 @@ import torch
 import torch.distributed.pipelining.schedules as torch_schedules
 from torch import nn
 
-from distributed.collectives import all_reduce_, all_reduce_coalesced_, broadcast_, recv, send
+from distributed.collectives import all_reduce_, broadcast_, recv, send
+from distributed.data_parallel import sum_grads
 from distributed.pipeline.plan import SCHEDULES, PipelinePlan
 from distributed.pipeline.stages import CountedStage, enter_regions
 from utils.comm import Axis, Grid
@@ -81,12 +82,8 @@ class Pipeline:
 
     def sync_grads(self) -> None:
         """After the last microbatch: the dp x cp reduction, then the tied embedding copies."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.replicas.size > 1:
-            for dtype in sorted({p.grad.dtype for p in params}, key=str):
-                grads = [p.grad for p in params if p.grad.dtype == dtype]
-                all_reduce_coalesced_(grads, self.replicas)
-                torch._foreach_div_(grads, self.grid.size(Axis.DP))
+            torch._foreach_div_(sum_grads(list(self.model.parameters()), self.replicas), self.grid.size(Axis.DP))
         ends = self.grid.pipeline_ends
         if self.tied is not None and ends is not None and self.tied.grad is not None:
             all_reduce_(self.tied.grad, ends)

@@ -55,7 +55,6 @@ def cut_for_rank(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> nn.Modul
     for name in dropped:
         if _holds_parameters(getattr(model, name)):
             setattr(model, name, None)
-    model.pipeline_stages = stages
     return model
 
 
@@ -178,12 +177,12 @@ def build_stages(model: nn.Module, plan: PipelinePlan, *, axis: AxisGroup, examp
     # requires_grad: activations between stages carry gradients back (the first stage's input does not)
     hidden = torch.empty(mb, enter_regions(model, length, device), model.cfg.embed_dim, device="meta",
                          requires_grad=True)
-    output = None
-    if plan.num_stages - 1 in model.pipeline_stages:  # the model's output (torch neither sends nor checks it)
+    output, indices = None, plan.stages_of(axis.rank)
+    if plan.num_stages - 1 in indices:  # the model's output (torch neither sends nor checks it)
         output = torch.empty(model.output_shape(mb, head_tokens(model, length)), dtype=out_dtype, device="meta",
                              requires_grad=True)
     stages = []
-    for index in model.pipeline_stages:
+    for index in indices:
         module = StageModule(model, index, plan, autocast)
         module.length = length
         stages.append(CountedStage(module, index, plan.num_stages, device, axis=axis,
