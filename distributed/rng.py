@@ -21,13 +21,26 @@ dropout > 0 and the activation is sharded. Under torch.compile the fork is a gra
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from utils.comm import AxisGroup
+from utils.comm import Axis, AxisGroup, Grid
+
+def seed_default_stream(seed: int, grid: Grid, step: int = 0) -> int:
+    """Seed the default stream (torch and Python's `random`) for dropout, distinct per data-parallel
+    replica and pipeline rank and shared by the tp and cp ranks of a replica: at step 0 after setup, and at
+    `step` when a checkpoint of another layout is resumed (its per-rank states do not map onto this one's).
+    Returns the seed."""
+    replica = grid.rank(Axis.DP) + grid.size(Axis.DP) * grid.rank(Axis.PP)
+    value = seed * 1_000_003 + 1 + replica + step * 2**32
+    torch.manual_seed(value)
+    random.seed(value)
+    return value
+
 
 _KEY_SPAN = 2**48  # fork keys are drawn below this: key * shards + index fits a 64-bit seed up to 65536 shards
 

@@ -22,9 +22,10 @@ from distributed.data_parallel import wrap_data_parallel
 from distributed.pipeline.plan import PipelinePlan, resolve_plan
 from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stages import build_stages, cut_for_rank
+from distributed.rng import seed_default_stream
 from distributed.tensor.parallelize import parallelize
 from utils.checkpoint import Checkpointer, names_own_step, resume_state
-from utils.comm import Axis, Grid, check_grid, init_grid, layout_name, parse_order
+from utils.comm import Axis, Grid, background_group, check_grid, init_grid, layout_name, parse_order
 from utils.config import Config
 from utils.data.batching import build_loaders, check_batch
 from utils.flops import training_flops_per_sample
@@ -63,7 +64,7 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     # The stream dropout draws from: fixed by the seed after setup (which draws differently per layout),
     # distinct per data-parallel replica and pipeline rank. Tensor-parallel ranks share it; dropouts on
     # tp-sharded activations fork a stream per shard from it (distributed/rng.py).
-    torch.manual_seed(cfg.trainer.seed * 1_000_003 + 1 + grid.rank(Axis.DP) + grid.size(Axis.DP) * grid.rank(Axis.PP))
+    seed_default_stream(cfg.trainer.seed, grid)
     if plan is None:
         return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
     return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
@@ -135,7 +136,8 @@ def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: P
     optimizer = build_optimizer(cfg.optim, built.raw.parameters(), grid.device)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
     scaler = grad_scaler(cfg.precision.mode, grid.device, grid.world)
-    checkpointer = Checkpointer(run_dir, grid.world, cfg.trainer.ckpt_keep, grid.signature)
+    background = background_group(grid) if cfg.trainer.ckpt_async else None
+    checkpointer = Checkpointer(run_dir, grid.world, cfg.trainer.ckpt_keep, background)
     return Trainer(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer, scheduler=scheduler,
                    scaler=scaler, checkpointer=checkpointer, run_dir=run_dir, log=log)
 
@@ -144,9 +146,9 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     """Restore the checkpoint to resume from (if any), attach the loaders from its step, log the setup."""
     cfg, grid, task, log = trainer.cfg, trainer.grid, trainer.task, trainer.log
     dp = grid.axis(Axis.DP)
-    state = resume_state(cfg.trainer.resume, trainer.checkpointer, dp.ranks[0], grid.device, log)
+    state = resume_state(cfg.trainer.resume, trainer.checkpointer, trainer.checkpoint_destination, grid.device, log)
     if state is not None:
-        trainer.load_state(state)
+        trainer.restore(*state)
     trainer.loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
                                     dp_rank=dp.rank, dp_size=dp.size, seed=cfg.trainer.seed,
                                     start_step=trainer.step, num_workers=cfg.trainer.num_workers,

@@ -1,22 +1,31 @@
-"""Checkpoints that survive any crash: one file per rank, a completion marker written last, all fsync'ed.
+"""Checkpoints that survive any crash and load under any layout: one torch.distributed.checkpoint (DCP)
+folder per step, a completion marker written last, all fsync'ed.
 
 Layout under run.dir:
 
-    checkpoints/step_0000100/rank_00000.pt ... rank_<n-1>.pt, layout.txt, COMPLETE
+    checkpoints/step_0000100/.metadata, __<rank>_0.distcp ...   DCP: tensors under single-process names
+                             state.json                          step, samples consumed, schedule, scaler, layout
+                             COMPLETE                            written last: the step and every file's name
     checkpoints/latest            a hint: the name of the newest complete step folder
 
-Save: every rank writes its file into a temporary folder and fsyncs it; after a barrier rank 0 writes
-layout.txt and then the COMPLETE marker (step and number of rank files), fsyncs the folder, renames it
-into place and fsyncs `checkpoints/`, then moves `latest` (write, fsync, os.replace, fsync) and only
-then prunes older checkpoints beyond `ckpt_keep`. Re-saving a step that exists renames the old folder
-aside and deletes it only once the new one is in place. A crash (or kill -9, or a node loss) at any
-moment leaves every complete checkpoint intact.
+What the tensors are (model, Adam state, per-rank RNG) and how a sharded tensor carries its global shape
+is in distributed/sharded_state.py: DCP reshards by that metadata, so a checkpoint of any layout loads
+under any other. Save: every rank writes its part into a temporary folder (DCP fsyncs the files), rank 0
+writes state.json; once all are written rank 0 writes the COMPLETE marker (naming every file), fsyncs
+the folder, renames it into place and fsyncs `checkpoints/`, then moves `latest` (write, fsync,
+os.replace, fsync) and only then prunes older checkpoints beyond `ckpt_keep`. Re-saving a step that
+exists renames the old folder aside and deletes it only once the new one is in place. A background save
+(`trainer.ckpt_async`) writes from a thread on its own gloo group; rank 0 publishes it when its future
+completes (polled after each step, waited for before the next save and at exit): one save in flight.
+A crash (or kill -9, or a node loss) at any moment leaves every complete checkpoint intact.
 
 Resume (`choose_resume`, decided by rank 0 and broadcast): `latest` is a hint, not the truth. A folder
-counts only when it is complete (marker present, every rank file there); `auto` takes the newest complete
-folder and says so when `latest` names something else. Files hold tensors and plain Python values and
-are read with torch.load(weights_only=True); an unreadable file raises `CorruptCheckpoint`, and the
-caller (utils/build.py) falls back to the previous complete checkpoint.
+counts only when it is complete (marker present, every file it names there); `auto` takes the newest
+complete folder and says so when `latest` names something else. A checkpoint whose files cannot be read
+back raises `CorruptCheckpoint` (DCP's load is collective: every rank learns it), and `resume_state`
+falls back to the previous complete checkpoint; one of another model (a name or global shape this model
+does not have) is refused with the one-line error. No file is unpickled beyond DCP's own metadata
+classes and tensors.
 """
 
 from __future__ import annotations
@@ -24,34 +33,37 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
-import zipfile
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from distributed.collectives import all_reduce_, barrier, broadcast_object
+from distributed.sharded_state import View, load_state, read_shapes, save_state
 from utils.comm import AxisGroup
 from utils.errors import ConfigError
 
 MARKER = "COMPLETE"
+FORMAT = "dcp-1"
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-             "python_version": random.getstate()[0], "python_gauss": random.getstate()[2]}
+def rng_tensors(prefix: str) -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensors (torch, CUDA, Python's `random`) under `prefix`."""
+    version, state, gauss = random.getstate()
+    tensors = {f"{prefix}torch": torch.get_rng_state(), f"{prefix}python": torch.tensor(state, dtype=torch.int64)}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+        tensors[f"{prefix}cuda"] = torch.cuda.get_rng_state()
+    return tensors
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def set_rng_tensors(tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    torch.set_rng_state(tensors[f"{prefix}torch"])
+    random.setstate((3, tuple(int(v) for v in tensors[f"{prefix}python"]), None))
+    if f"{prefix}cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors[f"{prefix}cuda"])
 
 
 def fsync_dir(path: Path) -> None:
@@ -71,7 +83,7 @@ def write_durably(path: Path, text: str) -> None:
 
 
 class CorruptCheckpoint(Exception):
-    """A rank file that cannot be read back (truncated, damaged, or holding forbidden objects)."""
+    """A checkpoint whose files cannot be read back (truncated, damaged, or holding forbidden objects)."""
 
     def __init__(self, file: Path, reason: str):
         self.file, self.reason = file, reason
@@ -79,14 +91,14 @@ class CorruptCheckpoint(Exception):
 
 
 class Checkpointer:
-    """Saves, finds and loads the checkpoints of one run directory for this rank."""
+    """Saves, finds and loads the checkpoints of one run directory (every rank holds one)."""
 
-    def __init__(self, run_dir: Path, world: AxisGroup, keep: int = 2, layout: str | None = None):
-        """`world`: every rank of the job (this rank's file is rank_<world.rank>.pt; saves wait for all).
-        `layout`: the grid's signature; recorded with each checkpoint and required to match on load
-        (rank files hold shards: another layout or rank order would load the wrong ones)."""
-        self.dir, self.world, self.keep, self.layout = Path(run_dir) / "checkpoints", world, keep, layout
-        self.rank = world.rank
+    def __init__(self, run_dir: Path, world: AxisGroup, keep: int = 2, background_group=None):
+        """`world`: every rank of the job (saves and loads are collective over it). `background_group`:
+        the gloo group background saves coordinate on (None in one process)."""
+        self.dir, self.world, self.keep = Path(run_dir) / "checkpoints", world, keep
+        self.rank, self.background_group = world.rank, background_group
+        self.pending: tuple[int, Path, Path, Future] | None = None  # a background save in flight
 
     def step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:07d}"
@@ -101,17 +113,20 @@ class Checkpointer:
         pointer = self.dir / "latest"
         return pointer.read_text().strip() if pointer.is_file() else None
 
-    def is_complete(self, path: Path) -> bool:
-        """Marker present and every rank file it announces there. Folders written before markers existed
-        count when `latest` names them (it moved only after a complete save)."""
-        marker = path / MARKER
-        if not marker.is_file():
-            return path.is_dir() and path.name == self.pointer() and (path / f"rank_{0:05d}.pt").is_file()
+    @staticmethod
+    def marker(path: Path) -> dict | None:
         try:
-            ranks = int(json.loads(marker.read_text())["ranks"])
-        except (ValueError, KeyError, TypeError):
+            marker = json.loads((path / MARKER).read_text())
+            return marker if isinstance(marker, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def is_complete(self, path: Path) -> bool:
+        """Marker present and every file it names there."""
+        marker = self.marker(path)
+        if marker is None or not isinstance(marker.get("files"), list):
             return False
-        return all((path / f"rank_{r:05d}.pt").is_file() for r in range(ranks))
+        return all((path / name).is_file() for name in marker["files"])
 
     def complete_steps(self) -> list[Path]:
         """Complete step folders, newest first."""
@@ -125,27 +140,46 @@ class Checkpointer:
             if not final.exists():
                 os.rename(aside, final)
 
-    def save(self, step: int, state: dict) -> Path:
+    def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict, background: bool = False) -> Path:
+        """Write a checkpoint of every rank's `tensors` and rank 0's `meta` (JSON) for `step` (collective).
+        `background`: return once the tensors are copied to host memory; `poll`/`wait` publish it."""
+        self.wait()  # one save in flight
         final, tmp = self.step_dir(step), self.dir / f".tmp_step_{step:07d}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            write_durably(tmp / "state.json", json.dumps({**meta, "step": step}))
         barrier(self.world)
-        with open(tmp / f"rank_{self.rank:05d}.pt", "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        barrier(self.world)
+        future = save_state(tensors, tmp, self.world, background=background, background_group=self.background_group)
+        if future is not None:
+            self.pending = (step, tmp, final, future)
+            return final
         if self.rank == 0:
             self._publish(step, tmp, final)
         barrier(self.world)
         return final
 
+    def poll(self) -> Path | None:
+        """The folder of a background save that just completed (published by rank 0), else None."""
+        if self.pending is None or not self.pending[3].done():
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Wait for the background save in flight, if any, and publish it; its folder."""
+        if self.pending is None:
+            return None
+        step, tmp, final, future = self.pending
+        self.pending = None
+        future.result()  # raises what the save raised: the checkpoint is not published
+        if self.rank == 0:  # rank 0's future completes after DCP gathered every rank's write results
+            self._publish(step, tmp, final)
+        return final
+
     def _publish(self, step: int, tmp: Path, final: Path) -> None:
         """Rank 0: marker last, folder into place, pointer moved, then (only then) the old ones pruned."""
-        if self.layout:
-            write_durably(tmp / "layout.txt", self.layout)
-        write_durably(tmp / MARKER, json.dumps({"step": step, "ranks": self.world.size}))
+        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        write_durably(tmp / MARKER, json.dumps({"step": step, "format": FORMAT, "files": files}))
         fsync_dir(tmp)
         aside = self.dir / f".old_step_{step:07d}"
         if final.exists():  # re-saving a step (e.g. after resuming an older one): keep it until replaced
@@ -171,33 +205,39 @@ class Checkpointer:
             else:
                 shutil.rmtree(old, ignore_errors=True)
         for stale in self.dir.glob(".tmp_step_*"):
-            if stale.name != f".tmp_{newest.name}":
+            if stale.name != f".tmp_{newest.name}" and (self.pending is None or stale != self.pending[1]):
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def load(self, path: Path, replica_source: int | None = None) -> dict:
-        """This rank's state; what it did not write (weights, optimizer: data-parallel replicas share them)
-        comes from the file of rank `replica_source` (dp rank 0 of its replica group).
-        Raises CorruptCheckpoint for a file that cannot be read back."""
-        state = self._load_file(Path(path), self.rank)
-        if "model" not in state and replica_source is not None:
-            shared = self._load_file(Path(path), replica_source)
-            state.update({k: v for k, v in shared.items() if k not in state})
-        return state
-
-    def _load_file(self, path: Path, rank: int) -> dict:
-        recorded = Path(path) / "layout.txt"
-        if self.layout and recorded.is_file() and recorded.read_text() != self.layout:
-            raise ConfigError(f"checkpoint {path} was written by the layout '{recorded.read_text()}', not "
-                              f"'{self.layout}'", "trainer.resume",
-                              "resume with the layout that wrote it, or set trainer.resume=never")
-        file = path / f"rank_{rank:05d}.pt"
-        if not file.is_file():
-            raise ConfigError(f"checkpoint {path} has no file for rank {rank}", "trainer.resume",
-                              "resume with the layout that wrote it, or set trainer.resume=never")
+    def read_meta(self, path: Path) -> dict:
+        """state.json of a checkpoint; CorruptCheckpoint when it cannot be read."""
         try:
-            return torch.load(file, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as err:
-            raise CorruptCheckpoint(file, " ".join(str(err).split())) from None
+            meta = json.loads((Path(path) / "state.json").read_text())
+            int(meta["step"])
+            return meta
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CorruptCheckpoint(Path(path) / "state.json", " ".join(str(err).split())) from None
+
+    def check(self, path: Path, view: View) -> None:
+        """Refuse (ConfigError) a checkpoint that lacks a tensor of `view` or holds it in another global
+        shape: it was written by another model. CorruptCheckpoint when its metadata cannot be read."""
+        try:
+            shapes = read_shapes(Path(path))
+        except Exception as err:  # a damaged pickle raises anything from EOFError to TypeError
+            raise CorruptCheckpoint(Path(path) / ".metadata", " ".join(str(err).split())) from None
+        for key, shape in view.global_shapes().items():
+            if shapes.get(key) != shape:
+                there = "is missing" if key not in shapes else f"has shape {list(shapes[key])}"
+                raise ConfigError(f"checkpoint {path} was written by another model: {key} {there}, this model's "
+                                  f"is {list(shape)}", "trainer.resume",
+                                  "resume with the model settings that wrote it, or set trainer.resume=never")
+
+    def load(self, path: Path, view: View) -> None:
+        """Fill `view` from `path` (collective); CorruptCheckpoint on every rank when any rank cannot read."""
+        try:
+            load_state(view.tensors, Path(path), self.world)
+        except Exception as err:  # DCP gathers every rank's read errors into one CheckpointException
+            raise CorruptCheckpoint(Path(path), " ".join(str(err).split())[-400:]) from None
+        view.finish_load()
 
 
 def choose_resume(resume: str, checkpointer: Checkpointer) -> tuple[list[Path], str]:
@@ -215,10 +255,18 @@ def choose_resume(resume: str, checkpointer: Checkpointer) -> tuple[list[Path], 
     if not path.is_dir():
         raise ConfigError(f"no checkpoint folder at {path}", "trainer.resume",
                           "use auto, never, a step number, a step_* name or a checkpoint folder")
+    if (checkpointer.marker(path) or {}).get("ranks") is not None:
+        _refuse_legacy(path)
     if not checkpointer.is_complete(path):
         raise ConfigError(f"checkpoint {path} is incomplete (a save that did not finish)", "trainer.resume",
                           "resume from another step, or use trainer.resume=auto (the newest complete one)")
     return [path], f"resuming from {path} (trainer.resume={resume})"
+
+
+def _refuse_legacy(path: Path) -> None:
+    raise ConfigError(f"checkpoint {path} has one file per rank, the format of earlier versions, which this "
+                      "version does not read", "trainer.resume",
+                      "finish that run with the version that wrote it, or set trainer.resume=never")
 
 
 def names_own_step(resume: str) -> bool:
@@ -235,6 +283,9 @@ def _resolve_named(resume: str, checkpointer: Checkpointer) -> Path:
 
 def _choose_auto(checkpointer: Checkpointer) -> tuple[list[Path], str]:
     complete = checkpointer.complete_steps()
+    newest = max(checkpointer.dir.glob("step_*"), default=None)
+    if newest is not None and (checkpointer.marker(newest) or {}).get("ranks") is not None:
+        _refuse_legacy(newest)
     hint = checkpointer.pointer()
     if not complete:
         partial = ", ".join(sorted(p.name for p in checkpointer.dir.glob("step_*")))
@@ -263,33 +314,48 @@ def _agreed_choice(resume: str, checkpointer: Checkpointer) -> tuple[list[Path],
     return decision
 
 
-def resume_state(resume: str, checkpointer: Checkpointer, replica_source: int, device: torch.device,
-                 log: logging.Logger) -> dict | None:
-    """The state to resume from, read by every rank from the same checkpoint (None: start at step 0).
+def resume_state(resume: str, checkpointer: Checkpointer, make_view: Callable[[dict, Path], View],
+                 device: torch.device, log: logging.Logger) -> tuple[dict, View] | None:
+    """(state.json, the filled view) of the checkpoint to resume from, read by every rank from the same
+    checkpoint; None: start at step 0. `make_view(meta, path)`: this rank's destination tensors.
 
-    Rank 0 chooses (see choose_resume). When some rank cannot read its file, every rank learns it (a
-    max-reduced flag) and all move on to the previous complete checkpoint, the bad file named in a
-    warning; a checkpoint refused outright (another layout, a missing rank file) or nothing readable
-    left stops every rank with the one-line error.
+    Rank 0 chooses (see choose_resume). Every rank reads the state and checks the checkpoint against its
+    view; the verdicts are max-reduced, so all go on together: a checkpoint some rank cannot read (or whose
+    load fails on any rank) moves every rank to the previous complete one, named in a warning; one refused
+    outright (another model) or nothing readable left stops every rank with the one-line error.
     """
     paths, why = _agreed_choice(resume, checkpointer)
     log.info(why)
     problem: Exception | None = None
+
+    def agreed(flag: int) -> int:
+        return int(all_reduce_(torch.tensor(flag, device=device), checkpointer.world, "max"))
+
     for path in paths:
-        state, flag = None, 0
+        meta = view = None
         try:
-            state = checkpointer.load(path, replica_source=replica_source)
+            meta = checkpointer.read_meta(path)
+            view = make_view(meta, path)
+            checkpointer.check(path, view)
+            flag = 0
         except CorruptCheckpoint as err:
             problem, flag = err, 1
-            log.warning(f"rank {checkpointer.rank}: unreadable checkpoint file {err.file} ({err.reason[:200]})")
         except ConfigError as err:
             problem, flag = err, 2
-        verdict = int(all_reduce_(torch.tensor(flag, device=device), checkpointer.world, "max"))
+        verdict = agreed(flag)
+        if verdict == 0:
+            try:
+                checkpointer.load(path, view)
+            except CorruptCheckpoint as err:
+                problem, flag = err, 1
+            verdict = agreed(flag)
         if verdict == 0:
             if path != paths[0]:
-                log.warning(f"fell back to {path}: a newer checkpoint has an unreadable file")
-            log.info(f"resumed from {path} at step {state['step']}")
-            return state
+                log.warning(f"fell back to {path}: a newer checkpoint cannot be read")
+            log.info(f"resumed from {path} at step {meta['step']}")
+            return meta, view
+        if verdict == 1 and isinstance(problem, CorruptCheckpoint):
+            log.warning(f"rank {checkpointer.rank}: unreadable checkpoint {problem.file} ({problem.reason[:300]})")
         if verdict == 2:
             raise problem if isinstance(problem, ConfigError) else ConfigError(
                 f"another rank cannot use checkpoint {path}", "trainer.resume", "see that rank's error line")

@@ -310,6 +310,13 @@ def _pipeline_ends(grid: Grid) -> AxisGroup | None:
     return mine
 
 
+def background_group(grid: Grid) -> dist.ProcessGroup | None:
+    """A gloo group of every rank for background work (asynchronous checkpoints): a collective issued from
+    another thread must never share a group with the training loop's. None in one process. Collective:
+    every rank calls it at the same point of setup."""
+    return dist.new_group(backend="gloo") if grid.world_size > 1 else None
+
+
 def build_mesh(sizes: dict[Axis, int], order: tuple[Axis, ...], device: torch.device) -> DeviceMesh:
     """A DeviceMesh whose dims run slowest-first (reverse of `order`), named by axis."""
     dims = list(reversed(order))

@@ -7,13 +7,16 @@ import resource
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from distributed.collectives import all_reduce_, mean_over
 from distributed.data_parallel import no_sync, sync_partial_grads
 from distributed.grad_norm import clip_grad_norm
-from utils.checkpoint import Checkpointer, rng_state, set_rng_state
+from distributed.rng import seed_default_stream
+from distributed.sharded_state import View, checkpoint_view
+from utils.checkpoint import Checkpointer, rng_tensors, set_rng_tensors
 from utils.comm import Axis, Grid
 from utils.data.batching import WORKER_STARTS, Loaders
 from utils.errors import require
@@ -45,6 +48,7 @@ class TrainerConfig:
     nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm ends the run, or skips the update
     max_skipped_steps: int = 10  # with nonfinite=skip: stop after this many consecutive skipped steps
     hang_timeout_s: float = 1800.0  # a rank with no progress this long dumps its stacks and exits; 0 = off
+    ckpt_async: bool = False  # write checkpoints from a background thread (one in flight) while training goes on
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
@@ -98,22 +102,47 @@ class Trainer:
         self.stop_requested = self.stop_agreed = False  # a stop signal on this rank / on any rank
         self.watchdog = StepWatchdog(0, run_dir, grid.global_rank)  # off outside fit (e.g. the benchmark)
 
-    def state(self) -> dict:
-        """This rank's checkpoint: step and RNG always; weights and optimizer state only on dp rank 0,
-        since every data-parallel replica holds the same ones (see Checkpointer.load)."""
-        state = {"step": self.step, "rng": rng_state()}
-        if self.dp.rank == 0:
-            state.update(model=self.raw_model.state_dict(), optimizer=self.optimizer.state_dict(),
-                         scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict())
-        return state
+    def save_checkpoint(self, background: bool | None = None) -> Path:
+        """Write the checkpoint of the step reached (collective; see utils/checkpoint.py): the model and
+        Adam state under single-process names and global shapes, this rank's RNG, and in state.json the
+        step, the samples consumed, the schedule and the scaler."""
+        view = checkpoint_view(self.raw_model, self.optimizer, self.grid, for_load=False)
+        view.tensors.update(rng_tensors(self.rng_prefix))
+        meta = {"samples": self.step * self.tc.global_batch_size, "global_batch_size": self.tc.global_batch_size,
+                "layout": self.grid.signature, "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict()}
+        background = self.tc.ckpt_async if background is None else background
+        return self.checkpointer.save(self.step, view.tensors, meta, background)
 
-    def load_state(self, state: dict) -> None:
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        set_rng_state(state["rng"])
+    @property
+    def rng_prefix(self) -> str:
+        return f"rng/{self.grid.global_rank}/"
+
+    def checkpoint_destination(self, meta: dict, path: Path) -> View:
+        """What this rank reads from a checkpoint: its model and optimizer state in this layout, and its
+        RNG state when the checkpoint was written by this same layout."""
+        view = checkpoint_view(self.raw_model, self.optimizer, self.grid, for_load=True)
+        if meta.get("layout") == self.grid.signature:
+            view.tensors.update({k: torch.empty_like(v) for k, v in rng_tensors(self.rng_prefix).items()})
+        return view
+
+    def restore(self, meta: dict, view: View) -> None:
+        """Continue from a checkpoint read into `checkpoint_destination`'s view."""
+        step = int(meta["step"])
+        require(meta["samples"] == step * self.tc.global_batch_size,
+                f"the checkpoint consumed {meta['samples']} samples in {step} steps of {meta['global_batch_size']}",
+                "trainer.global_batch_size", f"resume with trainer.global_batch_size={meta['global_batch_size']}")
+        self.scheduler.load_state_dict(meta["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.scaler.load_state_dict(meta["scaler"])
+        self.step = step
+        if f"{self.rng_prefix}torch" in view.tensors:
+            set_rng_tensors(view.tensors, self.rng_prefix)
+        else:
+            seed_default_stream(self.tc.seed, self.grid, step)
+            self.log.info(f"the checkpoint was written by the layout '{meta.get('layout')}': random streams "
+                          f"re-derived from (seed, step {step}, rank) for '{self.grid.signature}'")
         # purge what a crashed run wrote to TensorBoard after this step
         self.tb = TensorBoard(self.run_dir, self.grid.is_main, self.step)
 
@@ -195,12 +224,17 @@ class Trainer:
             while self.step < stop:
                 if self.fit_step(batches, request):
                     self.watchdog.phase("checkpoint")
-                    path = self.checkpointer.save(self.step, self.state())
+                    path = self.save_checkpoint(background=False)
                     self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
                                           f"{EXIT_PREEMPTED} (run the same command again to continue)")
                     self.tb.close()
                     return EXIT_PREEMPTED
                 self.maybe_validate_and_save(stop)
+                if (path := self.checkpointer.poll()) is not None:
+                    self.progress.message(f"saved checkpoint {path} (in the background)")
+            self.watchdog.phase("checkpoint")
+            if (path := self.checkpointer.wait()) is not None:
+                self.progress.message(f"saved checkpoint {path} (in the background)")
         self.tb.close()
         return 0
 
@@ -274,8 +308,9 @@ class Trainer:
             self.validate()
         if self.step == stop or (self.tc.ckpt_every and self.step % self.tc.ckpt_every == 0):
             self.watchdog.phase("checkpoint")
-            path = self.checkpointer.save(self.step, self.state())
-            self.progress.message(f"saved checkpoint {path}")
+            path = self.save_checkpoint()
+            if self.checkpointer.pending is None:
+                self.progress.message(f"saved checkpoint {path}")
 
     def validate(self) -> dict[str, float]:
         self.model.eval()

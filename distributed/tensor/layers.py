@@ -78,7 +78,9 @@ class TensorParallelLayer(nn.Module):
     @torch.no_grad()
     def copy_shards_from(self, serial: nn.Module) -> None:
         """Fill each parameter from the same-named FULL parameter of `serial`: this rank's chunk along
-        its `shard_dims` entry, or the whole tensor when it is replicated."""
+        its `shard_dims` entry, or the whole tensor when it is replicated. Records the full shapes
+        (`full_shapes`: checkpoints save sharded tensors under them)."""
+        self.full_shapes = {name: tuple(getattr(serial, name).shape) for name in self.sharded_params}
         for name, param in self.named_parameters(recurse=False):
             full = getattr(serial, name)
             param.copy_(shard(full, self.axis, self.shard_dims[name]) if name in self.shard_dims else full)

@@ -1,0 +1,211 @@
+"""The checkpoint view of a parallel model: every tensor under its single-process name with its global
+shape, written and read with torch.distributed.checkpoint (DCP), which reshards by that metadata.
+
+`checkpoint_view(model, optimizer, grid)` maps flat keys to tensors that share storage with the live ones:
+
+    model/<name>              every state-dict entry (parameters and persistent buffers)
+    optim/<name>/<state>      Adam's moments and step count of every parameter, under each of its names
+
+Names are the single-process model's (pipeline stages keep global block names; a tied embedding is found
+under both of its names, so a pipeline's two copies and the serial model's one parameter read the same
+entries). A parameter split evenly over a tensor-parallel axis is a DTensor view on that axis's mesh
+(`Shard(dim)`: DCP records its global shape and this rank's offset, and loading into another layout
+reads the overlapping pieces); a replicated one is a plain tensor (DCP keeps one copy of equal keys). An
+uneven split (e.g. a 1408-row vocabulary over tp=3) has no DTensor form (DTensor places chunks as
+torch.chunk does): its full tensor is gathered over the axis (counted) and saved as replicated, and on
+load read whole and sliced (`View.finish_load`). Moments of a parameter follow its layout.
+
+`save_state`/`load_state` run DCP over the whole job (`no_dist` in one process) or, for background
+saves, on a dedicated group. Checkpoint metadata is read with an unpickler that admits only DCP's own
+classes: opening a checkpoint never runs code it carries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+
+from distributed.collectives import all_gather, split_sizes
+from utils.comm import AxisGroup, Grid
+
+
+@dataclass
+class View:
+    """Flat key -> tensor (sharing storage with the model and optimizer), and what loading must finish."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # after DCP filled `tensors`: (full buffer, live shard, axis, dim) of unevenly split tensors
+    uneven: list[tuple[torch.Tensor, torch.Tensor, AxisGroup, int]] = field(default_factory=list)
+
+    @torch.no_grad()
+    def finish_load(self) -> None:
+        """Copy this rank's slice of each unevenly split tensor read whole."""
+        for full, live, axis, dim in self.uneven:
+            sizes = split_sizes(full.shape[dim], axis.size)
+            live.copy_(full.narrow(dim, sum(sizes[:axis.rank]), sizes[axis.rank]))
+
+    def global_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(t.shape) for key, t in self.tensors.items()}
+
+
+def shard_layout(model: nn.Module) -> dict[int, tuple[AxisGroup, int, int]]:
+    """id(parameter) -> (axis, split dim, full size of that dim) for every tensor-parallel parameter."""
+    layout = {}
+    for module in model.modules():
+        for name in getattr(module, "sharded_params", ()):
+            param, axis, dim = getattr(module, name), module.shard_axis, module.shard_dims[name]
+            if axis.size > 1:
+                full = getattr(module, "full_shapes", {}).get(name)
+                layout[id(param)] = (axis, dim, full[dim] if full else param.shape[dim] * axis.size)
+    return layout
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter Adam's state as before its first step (zero moments, step 0): the entries a
+    checkpoint holds and a load fills in place. Adam's update from it equals the one from no state."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            on_device = group.get("fused") or group.get("capturable")
+            step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            state = {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+
+
+def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid, *,
+                    for_load: bool) -> View:
+    """The flat view of this rank's model (and optimizer) state; see the module doc. `for_load`: uneven
+    tensors get empty full-size buffers to read into, instead of being gathered."""
+    layout, view = shard_layout(model), View()
+
+    def add(key: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
+        tensor = tensor.detach()
+        if id(param) not in layout or tensor.shape != param.shape:
+            view.tensors[key] = tensor
+            return
+        axis, dim, full = layout[id(param)]
+        if full % axis.size == 0:
+            shape = list(tensor.shape)
+            shape[dim] = full
+            view.tensors[key] = DTensor.from_local(tensor, grid.mesh[axis.name], [Shard(dim)], run_check=False,
+                                                   shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        elif for_load:
+            shape = list(tensor.shape)
+            shape[dim] = full
+            buffer = tensor.new_empty(shape)
+            view.tensors[key] = buffer
+            view.uneven.append((buffer, tensor, axis, dim))
+        else:
+            view.tensors[key] = all_gather(tensor.contiguous(), axis, dim, split_sizes(full, axis.size))
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        add(f"model/{name}", tensor, params.get(name, tensor))
+    if optimizer is not None:
+        init_optimizer_state(optimizer)
+        for name, param in params.items():
+            for entry, value in optimizer.state[param].items():
+                add(f"optim/{name}/{entry}", value, param)
+    return view
+
+
+def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, torch sizes and dtypes, and paths: nothing that runs code."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (module.startswith("torch.distributed.checkpoint.")
+                   or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+                   or (module, name) in {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                                         ("pathlib", "WindowsPath"), ("collections", "OrderedDict")})
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata is read with `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError("checkpoint metadata is not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_shapes(folder: Path) -> dict[str, tuple[int, ...] | None]:
+    """Key -> global shape of every tensor in a DCP checkpoint (None for non-tensor entries)."""
+    metadata = SafeReader(folder).read_metadata()
+    return {key: tuple(m.size) if isinstance(m, TensorStorageMetadata) else None
+            for key, m in metadata.state_dict_metadata.items()}
+
+
+def save_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup, *,
+               background: bool = False, background_group=None) -> Future | None:
+    """Write `tensors` of every rank into `folder` (every rank calls). `background`: the tensors are
+    copied to host memory first and written by a thread, coordinating on `background_group` (a gloo
+    group of all ranks, never the one the training loop uses); returns the Future that completes once
+    every rank's files and the metadata are written."""
+    writer = dcp.FileSystemWriter(folder, sync_files=True)
+    if background:
+        return dcp.async_save(tensors, storage_writer=writer, process_group=background_group,
+                              no_dist=world.size == 1)
+    with _one_process_is_intended():
+        dcp.save(tensors, storage_writer=writer, process_group=world.group, no_dist=world.size == 1)
+    return None
+
+
+def load_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup) -> None:
+    """Fill `tensors` in place from `folder`, resharding by global shapes (every rank calls)."""
+    with _one_process_is_intended():
+        dcp.load(tensors, storage_reader=SafeReader(folder), process_group=world.group, no_dist=world.size == 1)
+
+
+def read_full(folder: Path) -> dict[str, torch.Tensor]:
+    """Every entry of a checkpoint as full tensors, in one process (export, inspection, tests)."""
+    shapes = read_shapes(folder)
+    metadata = SafeReader(folder).read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(shape, dtype=metadata[key].properties.dtype)
+               for key, shape in shapes.items() if shape is not None}
+    with _one_process_is_intended():
+        dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=True)
+    return tensors
+
+
+def write_full(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Write full tensors as a one-process DCP checkpoint (import)."""
+    with _one_process_is_intended():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=True)
+
+
+@contextlib.contextmanager
+def _one_process_is_intended():
+    """DCP warns that it assumes one process when torch.distributed is not initialized: here it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
