@@ -32,11 +32,16 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
 from distributed.collectives import all_gather, split_sizes
 from utils.comm import AxisGroup, Grid
+
+# DCP warns that it assumes one process when torch.distributed is not initialized: here that is meant
+# (also in the thread of a background save, hence a process-wide filter).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclass
@@ -175,14 +180,14 @@ def save_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup,
     if background:
         return dcp.async_save(tensors, storage_writer=writer, process_group=background_group,
                               no_dist=world.size == 1)
-    with _one_process_is_intended():
+    with _as_error("write"):
         dcp.save(tensors, storage_writer=writer, process_group=world.group, no_dist=world.size == 1)
     return None
 
 
 def load_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup) -> None:
     """Fill `tensors` in place from `folder`, resharding by global shapes (every rank calls)."""
-    with _one_process_is_intended():
+    with _as_error("read"):
         dcp.load(tensors, storage_reader=SafeReader(folder), process_group=world.group, no_dist=world.size == 1)
 
 
@@ -192,20 +197,20 @@ def read_full(folder: Path) -> dict[str, torch.Tensor]:
     metadata = SafeReader(folder).read_metadata().state_dict_metadata
     tensors = {key: torch.empty(shape, dtype=metadata[key].properties.dtype)
                for key, shape in shapes.items() if shape is not None}
-    with _one_process_is_intended():
-        dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=True)
+    dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=True)
     return tensors
 
 
 def write_full(tensors: dict[str, torch.Tensor], folder: Path) -> None:
     """Write full tensors as a one-process DCP checkpoint (import)."""
-    with _one_process_is_intended():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=True)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), no_dist=True)
 
 
 @contextlib.contextmanager
-def _one_process_is_intended():
-    """DCP warns that it assumes one process when torch.distributed is not initialized: here it is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+def _as_error(what: str):
+    """DCP's CheckpointException (every rank's failures, raised on every rank) derives from BaseException:
+    re-raise it as an ordinary error, so that the callers' handlers see it."""
+    try:
         yield
+    except CheckpointException as err:
+        raise RuntimeError(f"could not {what} the checkpoint: {' '.join(str(err).split())[-600:]}") from None

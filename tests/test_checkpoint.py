@@ -1,14 +1,21 @@
 """Checkpoints: round trip, completion markers, `latest` as a hint, fallback from corrupt files, resume forms,
-pruning only after a successor is complete, and no unpickling of arbitrary objects."""
+pruning only after a successor is complete, refusal of another model, background saves, and no unpickling
+of arbitrary objects. (Resharding across layouts runs through the entry point in tests/test_layouts.py.)"""
 
 import logging
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-from utils.checkpoint import (Checkpointer, CorruptCheckpoint, choose_resume, resume_state, rng_state,
-                              set_rng_state)
+from distributed.sharded_state import View, read_full
+from tests.conftest import ROOT
+from utils.checkpoint import Checkpointer, choose_resume, resume_state, rng_tensors, set_rng_tensors
 from utils.comm import Grid
 from utils.errors import ConfigError
 
@@ -16,39 +23,50 @@ WORLD = Grid.serial().world  # one process
 LOG = logging.getLogger("test_checkpoint")
 
 
+def save(ck: Checkpointer, step: int, background: bool = False):
+    return ck.save(step, {"w": torch.full((3,), float(step))}, {"lr": [0.1, 0.2]}, background)
+
+
 def saved(tmp_path, steps=(1, 2, 3), keep=3) -> Checkpointer:
     ck = Checkpointer(tmp_path, WORLD, keep=keep)
     for step in steps:
-        ck.save(step, {"step": step, "w": torch.full((3,), float(step))})
+        save(ck, step)
     return ck
 
 
+def destination(meta: dict, path) -> View:
+    return View({"w": torch.empty(3)})
+
+
+def resumed(ck: Checkpointer, resume: str = "auto") -> tuple[dict, View] | None:
+    return resume_state(resume, ck, destination, torch.device("cpu"), LOG)
+
+
 def resumed_step(ck: Checkpointer, resume: str = "auto") -> int | None:
-    state = resume_state(resume, ck, 0, torch.device("cpu"), LOG)
-    return None if state is None else state["step"]
+    state = resumed(ck, resume)
+    return None if state is None else state[0]["step"]
 
 
 def test_round_trip_and_latest(tmp_path):
     ck = Checkpointer(tmp_path, WORLD, keep=2)
     assert ck.latest() is None
     for step in (10, 20, 30):
-        ck.save(step, {"step": step, "w": torch.full((3,), float(step)), "lr": [0.1, 0.2]})
+        save(ck, step)
     assert ck.latest().name == "step_0000030" and ck.pointer() == "step_0000030"
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_0000020", "step_0000030"]
-    assert sorted(p.name for p in ck.latest().iterdir()) == ["COMPLETE", "rank_00000.pt"]
-    state = ck.load(ck.latest())
-    assert state["step"] == 30 and torch.equal(state["w"], torch.full((3,), 30.0))
+    assert sorted(p.name for p in ck.latest().iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "state.json"]
+    meta, view = resumed(ck)
+    assert meta == {"lr": [0.1, 0.2], "step": 30} and torch.equal(view.tensors["w"], torch.full((3,), 30.0))
+    assert torch.equal(read_full(ck.latest())["w"], torch.full((3,), 30.0))
 
 
 def test_unfinished_saves_never_count(tmp_path):
     """A save killed before its marker (or before its rename) is not a checkpoint, whatever it holds."""
     ck = saved(tmp_path, steps=(10,))
     half = tmp_path / "checkpoints" / ".tmp_step_0000020"
-    half.mkdir()
-    torch.save({"step": 20}, half / "rank_00000.pt")  # died before the marker
+    os.system(f"cp -r {ck.latest()} {half} && rm {half}/COMPLETE")  # died before the marker
     no_marker = tmp_path / "checkpoints" / "step_0000030"
-    no_marker.mkdir()
-    torch.save({"step": 30}, no_marker / "rank_00000.pt")  # e.g. copied by hand without its marker
+    os.system(f"cp -r {half} {no_marker}")  # e.g. copied by hand without its marker
     paths, why = choose_resume("auto", ck)
     assert [p.name for p in paths] == ["step_0000010"] and "step_0000010" in why
     with pytest.raises(ConfigError, match="incomplete"):
@@ -65,27 +83,26 @@ def test_dangling_latest_resumes_the_newest_complete_and_keeps_it(tmp_path):
     assert [p.name for p in paths] == ["step_0000001"]
     assert "`latest` names step_0000002, which is missing" in why
     assert resumed_step(ck) == 1
-    ck.save(2, {"step": 2})
+    save(ck, 2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_0000001", "step_0000002"]
 
 
-def test_truncated_file_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "state.json"])
+def test_truncated_file_falls_back_to_the_previous_checkpoint(tmp_path, caplog, name):
     ck = saved(tmp_path)
-    newest = ck.latest() / "rank_00000.pt"
-    newest.write_bytes(newest.read_bytes()[:100])
-    with pytest.raises(CorruptCheckpoint):
-        ck.load(ck.latest())
+    newest = ck.latest() / name
+    newest.write_bytes(newest.read_bytes()[:len(newest.read_bytes()) // 2])
     with caplog.at_level(logging.WARNING, logger=LOG.name):
         assert resumed_step(ck) == 2
-    assert str(newest) in caplog.text and "fell back to" in caplog.text
-    with pytest.raises(ConfigError, match="no readable checkpoint.*rank_00000.pt is unreadable"):
+    assert "step_0000003" in caplog.text and "unreadable" in caplog.text and "fell back to" in caplog.text
+    with pytest.raises(ConfigError, match="no readable checkpoint.*step_0000003.* is unreadable"):
         resumed_step(ck, "3")  # asked for explicitly: no silent substitute
 
 
 def test_every_file_corrupt_stops_with_one_line(tmp_path):
     ck = saved(tmp_path, steps=(1, 2))
     for path in ck.complete_steps():
-        (path / "rank_00000.pt").write_bytes(b"")
+        (path / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(ConfigError) as info:
         resumed_step(ck)
     assert info.value.setting == "trainer.resume" and "\n" not in str(info.value)
@@ -112,7 +129,7 @@ def test_resave_that_dies_between_renames_is_recovered(tmp_path, monkeypatch):
         real_rename(src, dst)
     monkeypatch.setattr(os, "rename", crash_on_publish)
     with pytest.raises(KeyboardInterrupt):
-        ck.save(2, {"step": 2, "w": torch.zeros(3)})
+        save(ck, 2)
     monkeypatch.setattr(os, "rename", real_rename)
     assert not (tmp_path / "checkpoints" / "step_0000002").exists()
     assert resumed_step(ck) == 2
@@ -120,33 +137,86 @@ def test_resave_that_dies_between_renames_is_recovered(tmp_path, monkeypatch):
 
 def test_a_failed_save_prunes_nothing(tmp_path, monkeypatch):
     ck = saved(tmp_path, steps=(1, 2), keep=2)
-    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr("utils.checkpoint.save_state",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(OSError):
-        ck.save(3, {"step": 3})
+        save(ck, 3)
     assert [p.name for p in ck.complete_steps()] == ["step_0000002", "step_0000001"]
 
 
 def test_resuming_an_older_step_abandons_the_later_ones(tmp_path):
     ck = saved(tmp_path, steps=(1, 2, 3))
     assert resumed_step(ck, "1") == 1
-    ck.save(2, {"step": 2})  # the new trajectory's step 2 replaces the old one; old step 3 goes
+    save(ck, 2)  # the new trajectory's step 2 replaces the old one; old step 3 goes
     assert [p.name for p in ck.complete_steps()] == ["step_0000002", "step_0000001"]
 
 
 class Payload:
     """Stands for any pickled object whose loading would run code."""
 
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
 
 def test_loading_refuses_arbitrary_objects(tmp_path):
+    """DCP's metadata is a pickle: one naming anything but DCP's own classes is refused unread."""
+    ck = saved(tmp_path, steps=(1,))
+    (ck.latest() / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ConfigError, match="no readable checkpoint.*metadata is unreadable"):
+        resumed_step(ck, "1")
+    assert not (tmp_path / "pwned").exists() and not (ROOT / "pwned").exists()
+
+
+def test_another_model_is_refused(tmp_path):
+    ck = saved(tmp_path, steps=(1,))
+    for view, what in ((View({"w": torch.empty(4)}), r"w has shape \[3\], this model's is \[4\]"),
+                       (View({"w": torch.empty(3), "b": torch.empty(2)}), "b is missing")):
+        with pytest.raises(ConfigError, match="written by another model: " + what):
+            resume_state("auto", ck, lambda meta, path, v=view: v, torch.device("cpu"), LOG)
+
+
+def test_per_rank_files_of_earlier_versions_are_refused(tmp_path):
+    ck = saved(tmp_path, steps=(1,))
+    legacy = ck.step_dir(2)
+    legacy.mkdir()
+    (legacy / "rank_00000.pt").write_bytes(b"")
+    (legacy / "COMPLETE").write_text('{"step": 2, "ranks": 1}')
+    with pytest.raises(ConfigError, match="one file per rank, the format of earlier versions"):
+        resumed_step(ck)
+
+
+def test_background_save_copies_first_and_publishes_when_done(tmp_path):
     ck = Checkpointer(tmp_path, WORLD)
-    path = ck.save(1, {"step": 1})
-    torch.save({"step": 1, "evil": Payload()}, path / "rank_00000.pt")
-    with pytest.raises(CorruptCheckpoint, match="(?i)weights_only|unsupported|global"):
-        ck.load(path)
+    w = torch.ones(1000)
+    ck.save(1, {"w": w}, {}, background=True)
+    w.mul_(5)  # the next optimizer step, while the background thread writes
+    assert ck.pending is not None
+    assert ck.wait() == ck.step_dir(1) and ck.pending is None and ck.latest() == ck.step_dir(1)
+    assert torch.equal(read_full(ck.latest())["w"], torch.ones(1000))
+
+
+KILLED_DURING_BACKGROUND_SAVE = """
+import os, signal, sys, torch
+from utils.checkpoint import Checkpointer
+from utils.comm import Grid
+ck = Checkpointer(sys.argv[1], Grid.serial().world)
+ck.save(1, {"w": torch.ones(3)}, {})
+ck.save(2, {"w": torch.zeros(2**26)}, {}, background=True)  # 256 MiB: still writing when killed
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_DURING_BACKGROUND_SAVE), str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    ck = Checkpointer(tmp_path, WORLD)
+    assert (tmp_path / "checkpoints" / ".tmp_step_0000002").is_dir()  # what the kill left
+    assert [p.name for p in ck.complete_steps()] == ["step_0000001"] and resumed_step(ck) == 1
 
 
 def test_rng_state_round_trip():
-    state = rng_state()
+    state = rng_tensors("rng/0/")
     a = torch.rand(3)
-    set_rng_state(state)
+    set_rng_tensors(state, "rng/0/")
     assert torch.equal(torch.rand(3), a)
