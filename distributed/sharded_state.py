@@ -213,4 +213,6 @@ def _as_error(what: str):
     try:
         yield
     except CheckpointException as err:
-        raise RuntimeError(f"could not {what} the checkpoint: {' '.join(str(err).split())[-600:]}") from None
+        failures = "; ".join(f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                             for rank, (e, _) in sorted(err.failures.items()))
+        raise RuntimeError(f"could not {what} the checkpoint ({failures})") from None

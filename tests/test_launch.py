@@ -120,8 +120,8 @@ def test_launcher_forwards_stop_signals_and_never_leaves_a_rank_behind(tmp_path,
             time.sleep(0.2)
         assert not ranks_of(run_dir), "a rank outlived its launcher"
         step_dir = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
-        assert sorted(p.name for p in step_dir.iterdir()) == ["COMPLETE", "layout.txt", "rank_00000.pt",
-                                                             "rank_00001.pt"]
+        assert sorted(p.name for p in step_dir.iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp",
+                                                             "__1_0.distcp", "state.json"]
 
 
 def test_a_stopped_rank_does_not_leave_the_job_waiting(tmp_path, era5_root):
@@ -173,6 +173,7 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
 
     import torch
 
+    from distributed.sharded_state import read_full
     from tests.conftest import read_scalars
 
     def torchrun(name: str, restarts: int) -> tuple[subprocess.Popen, list[str]]:
@@ -205,8 +206,8 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
     resumed = text[text.index("resumed from"):].split("\n")[0]  # step 6, or 9 when its save beat the kill
     assert resumed.startswith(f"resumed from {tmp_path / 'killed' / 'checkpoints' / f'step_{saved[-1]}'}"), \
         text[-3000:]
-    ckpts = [tmp_path / name / "checkpoints" / "step_0000012" / "rank_00000.pt" for name in ("full", "killed")]
-    ref, got = (torch.load(p, weights_only=False)["model"] for p in ckpts)
+    ckpts = [tmp_path / name / "checkpoints" / "step_0000012" for name in ("full", "killed")]
+    ref, got = (read_full(p) for p in ckpts)  # model, Adam state and every rank's RNG
     assert ref.keys() == got.keys()
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], rtol=0, atol=0, msg=key)

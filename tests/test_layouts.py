@@ -12,9 +12,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from distributed.collectives import ring_bytes
+from distributed.sharded_state import read_shapes
 from tests.conftest import ROOT, read_scalars, run_entry
 from utils.config import load_config
 from utils.tasks import build_task
@@ -45,7 +45,7 @@ LAYOUTS = {
 # product per pair of axes and model is enough to keep the suite within its time.
 # Pipeline schedules: every one against the serial gradients in tests/test_pipeline.py; here GPipe, 1F1B,
 # interleaved 1F1B, ZBV x dp2 (with a resume, below), and 1F1B with the LM's tied embedding under tp and cp.
-VIT_LAYOUTS = ["dp2", "tp2", "tp2dp2", "dp2_accum2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
+VIT_LAYOUTS = ["dp2", "tp2", "dp2_accum2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
                "pp2_1f1b", "pp2_interleaved"]
 GPT_LAYOUTS = ["dp2", "tp2", "cp2", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2", "pp2cp2"]
 
@@ -109,20 +109,72 @@ def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5
 
 def test_vit_pp2_zbv_dp2_resumes_stage_and_replica_checkpoints(vit_reference, era5_root):
     """pp2 x dp2 under the V schedule (rank 0 of each pipeline holds the first and last stage; one dp
-    reduction after the last microbatch) stops at step 5: dp rank 0 of each stage writes its stages'
-    weights under their global names, the other replica step and RNG only; the resumed run follows
-    the uninterrupted curve."""
+    reduction after the last microbatch) stops at step 5: the checkpoint holds every tensor of the
+    single-process model once, under its global name, written by the stages' ranks; the resumed run
+    restores every rank's RNG and follows the uninterrupted curve."""
     reference, tmp = vit_reference
     args = [f"data.root={era5_root}", "parallel=pp2", "parallel.pp_schedule=zbv", "parallel.dp=2", "trainer.ckpt_every=0"]
     run_dir = run_layout(tmp, "pp2_zbv_dp2", VIT, *args, "trainer.stop_at_step=5")
-    files = sorted((run_dir / "checkpoints" / "step_0000005").glob("rank_*.pt"))  # ranks: dp fastest, then pp
-    sizes = [f.stat().st_size for f in files]
-    assert max(sizes[1], sizes[3]) < min(sizes[0], sizes[2]) / 10  # replicas: step and RNG only
-    first, second = (set(torch.load(files[r], weights_only=False)["model"]) for r in (0, 2))
-    assert {"patch_embed.weight", "blocks.0.attn.qkv.weight", "blocks.3.mlp.fc2.bias", "head.weight"} <= first
-    assert {"blocks.1.norm1.weight", "blocks.2.attn.proj.weight"} <= second and not first & second
+    saved = read_shapes(run_dir / "checkpoints" / "step_0000005")
+    assert {k for k in saved if k.startswith("model/")} == {f"model/{k}" for k in serial_shapes(VIT, era5_root)}
+    assert {k.split("/")[1] for k in saved if k.startswith("rng/")} == {"0", "1", "2", "3"}
     run_layout(tmp, "pp2_zbv_dp2", VIT, *args)
     assert_same_curve(reference, curves(run_dir))
+
+
+def serial_shapes(workload, root) -> dict[str, tuple[int, ...]]:
+    cfg, _, _ = load_config([*workload, f"data.root={root}"])
+    return {k: tuple(v.shape) for k, v in build_task(cfg).build_model().state_dict().items()}
+
+
+def resume_under(tmp, source, name, workload, *args) -> tuple[list[float], list[float], list[float]]:
+    """The curves (steps 6-10, the final validation) of a run resumed from `source`'s step 5 checkpoint."""
+    step5 = source / "checkpoints" / "step_0000005"
+    run_dir = run_layout(tmp, name, workload, f"trainer.resume={step5}", *args)
+    assert "random streams re-derived from (seed, step 5, rank)" in (run_dir / "train.log").read_text()
+    return curves(run_dir)
+
+
+def assert_follows_from_step_5(reference, resumed):
+    loss, norm, val = resumed
+    assert len(loss) == len(norm) == STEPS - 5 and len(val) == 1
+    assert loss == pytest.approx(reference[0][5:], rel=1e-5) and norm == pytest.approx(reference[1][5:], rel=1e-5)
+    assert val == pytest.approx(reference[2], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def vit_tp2dp2_step5(vit_reference, era5_root):
+    """tp2 x dp2 stopped at step 5 of 10 (its checkpoint: tp shards as DTensors, written once per replica)."""
+    _, tmp = vit_reference
+    return run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2",
+                      "trainer.stop_at_step=5")
+
+
+def test_checkpoint_holds_the_single_process_shapes(vit_tp2dp2_step5, era5_root):
+    """The regression test for DCP's silent loss of plain tensor shards: every model tensor (and Adam
+    moment) of a tp2 x dp2 checkpoint has its single-process global shape."""
+    saved = read_shapes(vit_tp2dp2_step5 / "checkpoints" / "step_0000005")
+    serial = serial_shapes(VIT, era5_root)
+    assert {k: v for k, v in saved.items() if k.startswith("model/")} == {f"model/{k}": v for k, v in serial.items()}
+    params = {k for k in serial if "weight" in k or "bias" in k or k == "pos_embed"}
+    for name in params:
+        assert saved[f"optim/{name}/exp_avg"] == saved[f"optim/{name}/exp_avg_sq"] == serial[name], name
+
+
+@pytest.mark.parametrize("layout", ["tp2dp2", "tp4", "single", "pp2"])
+def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_step5, vit_reference, era5_root):
+    """Steps 6-10 after resuming the tp2 x dp2 checkpoint of step 5 under the same layout (in its own run
+    directory, every rank's RNG restored), tp4, one process and pp2 follow the uninterrupted
+    single-process curve within 1e-5."""
+    reference, tmp = vit_reference
+    if layout == "tp2dp2":
+        run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2")
+        loss, norm, val = curves(vit_tp2dp2_step5)
+        assert_follows_from_step_5(reference, (loss[5:], norm[5:], val))
+        return
+    overrides = {"tp4": ["parallel=tp4"], "single": ["parallel=single"], "pp2": ["parallel=pp2"]}[layout]
+    assert_follows_from_step_5(reference, resume_under(tmp, vit_tp2dp2_step5, f"from_tp2dp2_{layout}", VIT,
+                                                       f"data.root={era5_root}", *overrides))
 
 
 def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
@@ -174,10 +226,18 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
         assert [v for _, v in read_scalars(run_dir)["comm/cp_bytes"]] == [want] * STEPS
 
 
-def test_gpt_uneven_splits(tmp_path, corpus_root):
-    """tp=3: 6 heads, 96-wide, vocabulary 1408 rows split 470/469/469, through validation's generation."""
+def test_gpt_uneven_splits_checkpoint_and_resume_under_pp(tmp_path, corpus_root):
+    """tp=3: 6 heads, 96-wide, the padded vocabulary's 1472 rows split 491/491/490, through validation's generation.
+    Stopped at step 5, its checkpoint (the uneven vocabulary gathered whole) resumes under tp3 (sliced back)
+    and under pp2 (the tied embedding's two copies read the one saved tensor)."""
     uneven = [*GPT, f"data.root={corpus_root}", "model.embed_dim=96", "model.num_heads=6"]
     reference = curves(run_layout(tmp_path, "single", uneven))
+    tp3 = run_layout(tmp_path, "tp3", uneven, "parallel.tp=3", "trainer.stop_at_step=5")
+    saved = read_shapes(tp3 / "checkpoints" / "step_0000005")
+    vocab = serial_shapes(uneven, corpus_root)["tok_embed.weight"]
+    assert saved["model/tok_embed.weight"] == saved["optim/lm_head.weight/exp_avg"] == vocab and vocab[0] % 3
+
+    assert_follows_from_step_5(reference, resume_under(tmp_path, tp3, "tp3_to_pp2", uneven, "parallel=pp2"))
     assert_same_curve(reference, curves(run_layout(tmp_path, "tp3", uneven, "parallel.tp=3")))
 
 
@@ -187,10 +247,10 @@ def test_dp2_corrupt_replica_file_falls_back_on_every_rank(vit_reference, era5_r
     reference, tmp = vit_reference
     args = ["parallel.dp=2", "trainer.ckpt_every=3"]
     run_dir = run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args, "trainer.stop_at_step=7")
-    bad = run_dir / "checkpoints" / "step_0000007" / "rank_00001.pt"
+    bad = run_dir / "checkpoints" / "step_0000007" / "__1_0.distcp"
     bad.write_bytes(bad.read_bytes()[:64])
     proc = run_entry("train_mp.py", *VIT, *COMMON, f"data.root={era5_root}", f"run.dir={run_dir}", *args, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert f"rank 1: unreadable checkpoint file {bad}" in proc.stdout
+    assert f"unreadable checkpoint {bad.parent} (could not read the checkpoint (rank 1: " in proc.stdout
     assert "resumed from" in proc.stdout and "step_0000006 at step 6" in proc.stdout
     assert_same_curve(reference, curves(run_dir))
