@@ -170,6 +170,15 @@ def read_shapes(folder: Path) -> dict[str, tuple[int, ...] | None]:
             for key, m in metadata.state_dict_metadata.items()}
 
 
+def truncated_files(folder: Path) -> list[str]:
+    """'name (have of needed bytes)' for each data file shorter than the metadata says (or missing)."""
+    needed: dict[str, int] = {}
+    for info in SafeReader(folder).read_metadata().storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    sizes = {name: (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else 0 for name in needed}
+    return [f"{name} ({sizes[name]} of {n} bytes)" for name, n in sorted(needed.items()) if sizes[name] < n]
+
+
 def save_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup, *,
                background: bool = False, background_group=None) -> Future | None:
     """Write `tensors` of every rank into `folder` (every rank calls). `background`: the tensors are

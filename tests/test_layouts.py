@@ -242,15 +242,18 @@ def test_gpt_uneven_splits_checkpoint_and_resume_under_pp(tmp_path, corpus_root)
 
 
 def test_dp2_corrupt_replica_file_falls_back_on_every_rank(vit_reference, era5_root):
-    """Only rank 1 finds its newest file truncated: both ranks move to the previous checkpoint together,
-    rank 1 names the file, and the run still follows the uninterrupted curve."""
+    """Checkpoints written in the background (trainer.ckpt_async, on their own gloo group). Only rank 1's
+    newest file is truncated: both ranks (each reads from it) move to the previous checkpoint together, the
+    warning names the file, and the run still follows the uninterrupted curve."""
     reference, tmp = vit_reference
-    args = ["parallel.dp=2", "trainer.ckpt_every=3"]
+    args = ["parallel.dp=2", "trainer.ckpt_every=3", "trainer.ckpt_async=true"]
     run_dir = run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args, "trainer.stop_at_step=7")
+    log = (run_dir / "train.log").read_text()
+    assert all(f"saved checkpoint {run_dir / 'checkpoints'}/step_000000{s} (in the background)" in log for s in (6, 7))
     bad = run_dir / "checkpoints" / "step_0000007" / "__1_0.distcp"
     bad.write_bytes(bad.read_bytes()[:64])
     proc = run_entry("train_mp.py", *VIT, *COMMON, f"data.root={era5_root}", f"run.dir={run_dir}", *args, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert f"unreadable checkpoint {bad.parent} (could not read the checkpoint (rank 1: " in proc.stdout
+    assert f"unreadable checkpoint {bad.parent} (truncated: __1_0.distcp (64 of " in proc.stdout
     assert "resumed from" in proc.stdout and "step_0000006 at step 6" in proc.stdout
     assert_same_curve(reference, curves(run_dir))

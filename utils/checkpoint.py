@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from distributed.collectives import all_reduce_, barrier, broadcast_object
-from distributed.sharded_state import View, load_state, read_shapes, save_state
+from distributed.sharded_state import View, load_state, read_shapes, save_state, truncated_files
 from utils.comm import AxisGroup
 from utils.errors import ConfigError
 
@@ -236,7 +236,9 @@ class Checkpointer:
         try:
             load_state(view.tensors, Path(path), self.world)
         except Exception as err:  # DCP gathers every rank's read errors into one CheckpointException
-            raise CorruptCheckpoint(Path(path), " ".join(str(err).split())[-400:]) from None
+            short = truncated_files(Path(path))
+            reason = f"truncated: {', '.join(short)}" if short else " ".join(str(err).split())[-400:]
+            raise CorruptCheckpoint(Path(path), reason) from None
         view.finish_load()
 
 

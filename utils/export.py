@@ -18,7 +18,6 @@ re-derived from (seed, step, rank), as for a checkpoint of another layout.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

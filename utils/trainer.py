@@ -112,7 +112,13 @@ class Trainer:
                 "layout": self.grid.signature, "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict()}
         background = self.tc.ckpt_async if background is None else background
+        self.background_save_done(wait=True)  # one save in flight
         return self.checkpointer.save(self.step, view.tensors, meta, background)
+
+    def background_save_done(self, wait: bool) -> None:
+        """Publish a background save that completed (`wait`: wait for it), and say so."""
+        if (path := self.checkpointer.wait() if wait else self.checkpointer.poll()) is not None:
+            self.progress.message(f"saved checkpoint {path} (in the background)")
 
     @property
     def rng_prefix(self) -> str:
@@ -230,11 +236,9 @@ class Trainer:
                     self.tb.close()
                     return EXIT_PREEMPTED
                 self.maybe_validate_and_save(stop)
-                if (path := self.checkpointer.poll()) is not None:
-                    self.progress.message(f"saved checkpoint {path} (in the background)")
+                self.background_save_done(wait=False)
             self.watchdog.phase("checkpoint")
-            if (path := self.checkpointer.wait()) is not None:
-                self.progress.message(f"saved checkpoint {path} (in the background)")
+            self.background_save_done(wait=True)
         self.tb.close()
         return 0
 
