@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.collectives import all_reduce_coalesced_, nbytes, ring_bytes
@@ -69,10 +71,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally (no DDP all-reduce) inside the block; a no-op without DDP."""
+    """Accumulate gradients locally (no DDP all-reduce, no FSDP reduce-scatter) inside the block; a no-op
+    without either."""
     if isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
     else:
         yield
 
@@ -99,10 +108,15 @@ def sync_partial_grads(model: nn.Module) -> None:
         sum_grads(params, axis)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of an FSDP DTensor (same storage), else itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def sum_grads(params: list[nn.Parameter], axis: AxisGroup) -> list[torch.Tensor]:
     """Sum the gradients of `params` (those that have one) over `axis` in place, one flat all-reduce per
     dtype; returns the gradients."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     for dtype in sorted({g.dtype for g in grads}, key=str):
         all_reduce_coalesced_([g for g in grads if g.dtype == dtype], axis)
     return grads

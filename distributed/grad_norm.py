@@ -1,7 +1,8 @@
 """Global gradient norm (and clipping) of a possibly tensor-parallel model.
 
 A parameter sharded over an axis contributes its local sum of squares, summed over that axis (one
-counted all-reduce per axis); a replicated parameter contributes once. Parallel layers declare which
+counted all-reduce per axis); a replicated parameter contributes once. Under FSDP (distributed/fsdp.py)
+a gradient is a DTensor sharded over dp x cp: its local squares are summed over that axis too. Parallel layers declare which
 of their parameters are sharded (`sharded_params`, a tuple of parameter names, and `shard_axis`, the
 AxisGroup they are split over); everything else is replicated.
 """
@@ -10,13 +11,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distributed.collectives import all_reduce
+from distributed.data_parallel import local
 from utils.comm import Axis, AxisGroup, Grid
 
 
-def _squares(model: nn.Module, skip: set[int]) -> tuple[torch.Tensor | None, dict[str, tuple[AxisGroup, torch.Tensor]]]:
-    """Sum of squared gradients of replicated params, and of sharded params per shard axis (by name)."""
+def _squares(model: nn.Module, skip: set[int], fsdp: AxisGroup) -> tuple[torch.Tensor | None, dict]:
+    """Sum of squared gradients of replicated params, and of sharded ones per tuple of axes they are
+    sharded over (tensor-parallel, and FSDP's dp x cp for DTensor gradients)."""
     replicated, sharded, seen = None, {}, set(skip)
     for module in model.modules():
         names = getattr(module, "sharded_params", ())
@@ -24,11 +28,11 @@ def _squares(model: nn.Module, skip: set[int]) -> tuple[torch.Tensor | None, dic
             if p.grad is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            sq = p.grad.detach().float().pow(2).sum()
-            if name in names:
-                axis = module.shard_axis
-                total = sharded[axis.name][1] + sq if axis.name in sharded else sq
-                sharded[axis.name] = (axis, total)
+            sq = local(p.grad).detach().float().pow(2).sum()
+            axes = ((fsdp,) if isinstance(p.grad, DTensor) else ()) + ((module.shard_axis,) if name in names else ())
+            if axes:
+                key = tuple(a.name for a in axes)
+                sharded[key] = (axes, sharded[key][1] + sq if key in sharded else sq)
             else:
                 replicated = sq if replicated is None else replicated + sq
     return replicated, sharded
@@ -38,10 +42,12 @@ def grad_norm(model: nn.Module, *, grid: Grid, skip: set[int] = frozenset()) -> 
     """The L2 norm of the full (unsharded) gradient, identical on every rank. Under pipeline parallelism
     each pp rank holds other parameters: their squares are summed over pp; `skip` (parameter ids)
     leaves out copies another pp rank counts (a tied embedding's second copy)."""
-    replicated, sharded = _squares(model, skip)
+    replicated, sharded = _squares(model, skip, grid.axis(Axis.DP, Axis.CP))
     total = replicated if replicated is not None else torch.zeros((), device=grid.device)
-    for axis, sq in sharded.values():
-        total = total + all_reduce(sq, axis)
+    for axes, sq in sharded.values():
+        for axis in axes:
+            sq = all_reduce(sq, axis)
+        total = total + sq
     return all_reduce(total, grid.axis(Axis.PP)).sqrt()
 
 
@@ -52,5 +58,5 @@ def clip_grad_norm(model: nn.Module, *, grid: Grid, max_norm: float, skip: set[i
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in model.parameters():
             if p.grad is not None:
-                p.grad.mul_(scale)
+                local(p.grad).mul_(scale)
     return norm

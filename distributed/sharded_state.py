@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.tensor import DTensor, Shard
 
 from distributed.collectives import all_gather, split_sizes
-from utils.comm import AxisGroup, Grid
+from utils.comm import Axis, AxisGroup, Grid
 
 # DCP warns that it assumes one process when torch.distributed is not initialized: here that is meant
 # (also in the thread of a background save, hence a process-wide filter).
@@ -49,18 +50,33 @@ class View:
     """Flat key -> tensor (sharing storage with the model and optimizer), and what loading must finish."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    # after DCP filled `tensors`: (full buffer, live shard, axis, dim) of unevenly split tensors
-    uneven: list[tuple[torch.Tensor, torch.Tensor, AxisGroup, int]] = field(default_factory=list)
+    # after DCP filled `tensors`: (buffer read into, live tensor, how to slice the buffer for this rank)
+    copies: list[tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
 
     @torch.no_grad()
     def finish_load(self) -> None:
-        """Copy this rank's slice of each unevenly split tensor read whole."""
-        for full, live, axis, dim in self.uneven:
-            sizes = split_sizes(full.shape[dim], axis.size)
-            live.copy_(full.narrow(dim, sum(sizes[:axis.rank]), sizes[axis.rank]))
+        """Copy this rank's part of each tensor that was read whole (uneven tp splits, FSDP shards under tp)."""
+        for buffer, live, part in reversed(self.copies):  # an FSDP shard's tp shard is filled before it
+            live.copy_(part(buffer))
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         return {key: tuple(t.shape) for key, t in self.tensors.items()}
+
+
+def _split_part(axis: AxisGroup, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This rank's part along `dim` under the tensor_split convention of the tp layers."""
+    def part(full: torch.Tensor) -> torch.Tensor:
+        sizes = split_sizes(full.shape[dim], axis.size)
+        return full.narrow(dim, sum(sizes[:axis.rank]), sizes[axis.rank])
+    return part
+
+
+def _fsdp_part(axis: AxisGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This rank's FSDP2 shard: torch.chunk along dim 0 (empty past the last chunk)."""
+    def part(full: torch.Tensor) -> torch.Tensor:
+        chunks = full.chunk(axis.size)
+        return chunks[axis.rank] if axis.rank < len(chunks) else full[:0]
+    return part
 
 
 def shard_layout(model: nn.Module) -> dict[int, tuple[AxisGroup, int, int]]:
@@ -100,20 +116,27 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
     def add(key: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
         tensor = tensor.detach()
         if id(param) not in layout or tensor.shape != param.shape:
-            view.tensors[key] = tensor
+            view.tensors[key] = tensor  # replicated, a scalar, or an FSDP DTensor DCP reshards itself
             return
+        if isinstance(tensor, DTensor):  # FSDP shard of a tp shard: through this rank's whole tp shard
+            fsdp = grid.axis(Axis.DP, Axis.CP)
+            if for_load:
+                whole = tensor.to_local().new_empty(tensor.shape)
+                view.copies.append((whole, tensor.to_local(), _fsdp_part(fsdp)))
+            else:
+                sizes = [len(c) for c in torch.empty(tensor.shape[0], 0).chunk(fsdp.size)]
+                sizes += [0] * (fsdp.size - len(sizes))
+                whole = all_gather(tensor.to_local().contiguous(), fsdp, 0, sizes)
+            tensor = whole
         axis, dim, full = layout[id(param)]
+        shape = list(tensor.shape)
+        shape[dim] = full
         if full % axis.size == 0:
-            shape = list(tensor.shape)
-            shape[dim] = full
             view.tensors[key] = DTensor.from_local(tensor, grid.mesh[axis.name], [Shard(dim)], run_check=False,
                                                    shape=torch.Size(shape), stride=_contiguous_stride(shape))
         elif for_load:
-            shape = list(tensor.shape)
-            shape[dim] = full
-            buffer = tensor.new_empty(shape)
-            view.tensors[key] = buffer
-            view.uneven.append((buffer, tensor, axis, dim))
+            view.tensors[key] = tensor.new_empty(shape)
+            view.copies.append((view.tensors[key], tensor, _split_part(axis, dim)))
         else:
             view.tensors[key] = all_gather(tensor.contiguous(), axis, dim, split_sizes(full, axis.size))
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from distributed.block_wrappers import wrap_blocks
 from distributed.context.parallelize import parallelize_context
-from distributed.data_parallel import wrap_data_parallel
+from distributed.data_parallel import local, wrap_data_parallel
+from distributed.fsdp import shard_data_parallel
 from distributed.pipeline.plan import PipelinePlan, resolve_plan
 from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stages import build_stages, cut_for_rank
@@ -65,6 +66,10 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     # distinct per data-parallel replica and pipeline rank. Tensor-parallel ranks share it; dropouts on
     # tp-sharded activations fork a stream per shard from it (distributed/rng.py).
     seed_default_stream(cfg.trainer.seed, grid)
+    if plan is None and cfg.parallel.dp_mode == "fsdp":
+        model = shard_data_parallel(model, grid=grid, precision=cfg.precision.mode,
+                                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
+        return BuiltModel(model, model, flops)
     if plan is None:
         return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
     return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
@@ -88,11 +93,11 @@ def build_pipeline(cfg: Config, task, grid: Grid, model: nn.Module, plan: Pipeli
 
 def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """Parameter, gradient (same as parameters) and optimizer-state bytes held by this rank."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    state = sum(local(t).numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)
     state = state or 2 * params  # Adam's two moments, allocated at the first step
-    n = sum(p.numel() for p in model.parameters())
+    n = sum(local(p).numel() for p in model.parameters())
     return (f"this rank holds {n / 1e6:.2f}M parameters: {params / 2**20:.1f} MiB weights, "
             f"{params / 2**20:.1f} MiB gradients, {state / 2**20:.1f} MiB optimizer state")
 

@@ -58,6 +58,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
     pp_microbatches: int = 0  # microbatches per pipeline step (per grad_accum step); 0 = one per stage
     pp_stages_per_rank: int = 0  # stages per pp rank: 1 for gpipe/1f1b, 2 for zbv/dualpipev; 0 = that (2 for loops)
+    dp_mode: str = "ddp"  # ddp (full replicas) | fsdp (FSDP2: weights, gradients, Adam state sharded over dp x cp)
+    fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (ZeRO-3), else keep (ZeRO-2)
     init_timeout_s: int = 600  # timeout of collectives: a missing rank fails the job, never hangs
 
     def __post_init__(self):
@@ -74,6 +76,8 @@ class ParallelConfig:
         for name in ("pp_microbatches", "pp_stages_per_rank"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}", f"parallel.{name}",
                     "set 0 (the default) or a positive integer")
+        require(self.dp_mode in ("ddp", "fsdp"), f"unknown dp_mode {self.dp_mode!r}", "parallel.dp_mode",
+                "choose ddp or fsdp")
         require(self.init_timeout_s > 0, "timeout must be positive", "parallel.init_timeout_s", "set a number of seconds")
 
 

@@ -85,6 +85,11 @@ class Config:
                 "parallel.cp_attention", "use parallel.cp_attention=allgather, or model.dropout=0")
         if self.parallel.pp > 1:
             self.check_pipeline()
+        if self.parallel.dp_mode == "fsdp":
+            require(self.parallel.pp == 1, "parallel.dp_mode=fsdp with parallel.pp > 1 is not supported yet",
+                    "parallel.dp_mode", "use parallel.dp_mode=ddp with pipeline parallelism")
+            require(self.precision.mode != "fp16", "parallel.dp_mode=fsdp with precision=fp16: the loss scaler is not "
+                    "verified with FSDP2's sharded gradients", "precision", "use precision=bf16 (or fp32) with fsdp")
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
                 "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
                 "multiple of parallel.tp")
