@@ -10,7 +10,7 @@ full model's), so per-rank bytes fall as 1/(dp x tp).
 
 Gradient convention (as DDP's hook here): summed over cp (each cp rank's loss covers only its own tokens
 of the same sequences) and averaged over dp, by reduce-scattering in fp32 and dividing by dp
-(`set_gradient_divide_factor`). bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
+(`set_gradient_divide_factor`; on gloo as a sum and a division). bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
 (compute in bf16, reduce and keep the fp32 master weights). The gradient norm (distributed/grad_norm.py)
 sums each sharded gradient's squares over this mesh once; checkpoints (distributed/sharded_state.py) save
 these DTensors as they are, or, under tp, gathered to the tp shard and resharded on load.
@@ -49,4 +49,6 @@ def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(grid.size(Axis.DP)))
+            # a factor other than the group size is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide
+            module.set_force_sum_reduction_for_comms(grid.device.type == "cpu")
     return model

@@ -30,6 +30,7 @@ LAYOUTS = {
     "tp2": ["parallel=tp2"],
     "tp2dp2": ["parallel=tp2", "parallel.dp=2"],
     "dp2_accum2": ["parallel.dp=2", "trainer.grad_accum_steps=2"],  # no dp sync before the last micro-batch
+    "fsdp_dp2": ["parallel.dp=2", "parallel.dp_mode=fsdp"],  # FSDP2 from the first step (more under resumes below)
     "cp3": ["parallel.cp=3"],  # ViT: 128 patches split 43/43/42; LM: 2 x 3 chunks of 32 tokens do not fit
     "cp2": ["parallel=cp2"],
     "tp2cp2_allgather": ["parallel=tp2cp2", "parallel.cp_attention=allgather"],
@@ -45,7 +46,7 @@ LAYOUTS = {
 # product per pair of axes and model is enough to keep the suite within its time.
 # Pipeline schedules: every one against the serial gradients in tests/test_pipeline.py; here GPipe, 1F1B,
 # interleaved 1F1B, ZBV x dp2 (with a resume, below), and 1F1B with the LM's tied embedding under tp and cp.
-VIT_LAYOUTS = ["dp2", "tp2", "dp2_accum2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
+VIT_LAYOUTS = ["dp2", "tp2", "dp2_accum2", "fsdp_dp2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
                "pp2_1f1b", "pp2_interleaved"]
 GPT_LAYOUTS = ["dp2", "tp2", "cp2", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2", "pp2cp2"]
 
@@ -127,11 +128,12 @@ def serial_shapes(workload, root) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in build_task(cfg).build_model().state_dict().items()}
 
 
-def resume_under(tmp, source, name, workload, *args) -> tuple[list[float], list[float], list[float]]:
-    """The curves (steps 6-10, the final validation) of a run resumed from `source`'s step 5 checkpoint."""
+def resume_under(tmp, source, name, workload, *args, same_grid=False) -> tuple[list[float], list[float], list[float]]:
+    """The curves (steps 6-10, the final validation) of a run resumed from `source`'s step 5 checkpoint.
+    `same_grid`: the same ranks per axis (another dp mode), so every rank's RNG state is restored."""
     step5 = source / "checkpoints" / "step_0000005"
     run_dir = run_layout(tmp, name, workload, f"trainer.resume={step5}", *args)
-    assert "random streams re-derived from (seed, step 5, rank)" in (run_dir / "train.log").read_text()
+    assert ("random streams re-derived from (seed, step 5, rank)" in (run_dir / "train.log").read_text()) != same_grid
     return curves(run_dir)
 
 
@@ -161,20 +163,32 @@ def test_checkpoint_holds_the_single_process_shapes(vit_tp2dp2_step5, era5_root)
         assert saved[f"optim/{name}/exp_avg"] == saved[f"optim/{name}/exp_avg_sq"] == serial[name], name
 
 
-@pytest.mark.parametrize("layout", ["tp2dp2", "tp4", "single", "pp2"])
+FSDP = "parallel.dp_mode=fsdp"
+RESUMED_UNDER = {"tp4": ["parallel=tp4"], "single": ["parallel=single"], "pp2": ["parallel=pp2"],
+                 "fsdp_dp2": ["parallel.dp=2", FSDP],
+                 "fsdp_tp2dp2": ["parallel=tp2", "parallel.dp=2", FSDP, "parallel.fsdp_reshard_after_forward=false"],
+                 "fsdp_cp2dp2": ["parallel=cp2", "parallel.dp=2", FSDP]}
+
+
+@pytest.mark.parametrize("layout", ["tp2dp2", *RESUMED_UNDER])
 def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_step5, vit_reference, era5_root):
-    """Steps 6-10 after resuming the tp2 x dp2 checkpoint of step 5 under the same layout (in its own run
-    directory, every rank's RNG restored), tp4, one process and pp2 follow the uninterrupted
-    single-process curve within 1e-5."""
+    """Steps 6-10 after resuming the tp2 x dp2 (DDP) checkpoint of step 5 under the same layout (in its own
+    run directory, every rank's RNG restored), tp4, one process, pp2, and FSDP2 over dp, dp x tp and dp x cp
+    follow the uninterrupted single-process curve (loss and gradient norm) within 1e-5. The FSDP runs'
+    own final checkpoints hold the single-process shapes."""
     reference, tmp = vit_reference
     if layout == "tp2dp2":
         run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2")
         loss, norm, val = curves(vit_tp2dp2_step5)
         assert_follows_from_step_5(reference, (loss[5:], norm[5:], val))
         return
-    overrides = {"tp4": ["parallel=tp4"], "single": ["parallel=single"], "pp2": ["parallel=pp2"]}[layout]
     assert_follows_from_step_5(reference, resume_under(tmp, vit_tp2dp2_step5, f"from_tp2dp2_{layout}", VIT,
-                                                       f"data.root={era5_root}", *overrides))
+                                                       f"data.root={era5_root}", *RESUMED_UNDER[layout],
+                                                       same_grid=layout == "fsdp_tp2dp2"))
+    if layout.startswith("fsdp"):
+        saved = read_shapes(tmp / f"from_tp2dp2_{layout}" / "checkpoints" / f"step_{STEPS:07d}")
+        assert {k: v for k, v in saved.items() if k.startswith("model/")} == \
+            {f"model/{k}": v for k, v in serial_shapes(VIT, era5_root).items()}
 
 
 def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
@@ -184,12 +198,14 @@ def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
     assert_same_curve(reference, curves(run_dir))
 
 
-@pytest.mark.parametrize("mode,layout", [("bf16", ["parallel=cp2"]), ("fp16", ["parallel=pp2"])])
+@pytest.mark.parametrize("mode,layout", [("bf16", ["parallel=cp2"]), ("fp16", ["parallel=pp2"]),
+                                         ("bf16", ["parallel.dp=2", "parallel.dp_mode=fsdp"])])
 def test_mixed_precision_under_model_parallelism(mode, layout, era5_root, tmp_path):
-    """Autocast under cp=2 (ring attention: blocks upcast, dK/dV in fp32) and under pp=2 the fp16
-    scaler (the loss scaled inside the schedule, one inf/NaN verdict over both stages): trains,
-    finite and falling."""
-    run_dir = run_layout(tmp_path, mode, VIT, f"data.root={era5_root}", *layout, f"precision={mode}")
+    """Autocast under cp=2 (ring attention: blocks upcast, dK/dV in fp32), under pp=2 the fp16
+    scaler (the loss scaled inside the schedule, one inf/NaN verdict over both stages), and FSDP2's
+    bf16 policy (bf16 compute, fp32 reduce-scatter and master weights): trains, finite and falling."""
+    run_dir = run_layout(tmp_path, mode + "_" + "_".join(layout), VIT, f"data.root={era5_root}", *layout,
+                         f"precision={mode}")
     loss = curves(run_dir)[0]
     assert all(v == v for v in loss) and loss[-1] < loss[0]
 
