@@ -204,8 +204,8 @@ def test_mixed_precision_under_model_parallelism(mode, layout, era5_root, tmp_pa
     """Autocast under cp=2 (ring attention: blocks upcast, dK/dV in fp32), under pp=2 the fp16
     scaler (the loss scaled inside the schedule, one inf/NaN verdict over both stages), and FSDP2's
     bf16 policy (bf16 compute, fp32 reduce-scatter and master weights): trains, finite and falling."""
-    run_dir = run_layout(tmp_path, mode + "_" + "_".join(layout), VIT, f"data.root={era5_root}", *layout,
-                         f"precision={mode}")
+    name = "_".join([mode, *(o.split("=")[1] for o in layout)])
+    run_dir = run_layout(tmp_path, name, VIT, f"data.root={era5_root}", *layout, f"precision={mode}")
     loss = curves(run_dir)[0]
     assert all(v == v for v in loss) and loss[-1] < loss[0]
 
