@@ -158,7 +158,8 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
                                     dp_rank=dp.rank, dp_size=dp.size, seed=cfg.trainer.seed,
                                     start_step=trainer.step, num_workers=cfg.trainer.num_workers,
                                     worker_start=cfg.trainer.worker_start,
-                                    pin_memory=grid.device.type == "cuda")
+                                    pin_memory=grid.device.type == "cuda",
+                                    even_val_batches=cfg.parallel.dp_mode == "fsdp")
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
     log.info(f"grid: {grid.signature}; run.dir: {trainer.run_dir}")

@@ -86,9 +86,12 @@ class WeatherTask:
         sums = torch.zeros(2 + len(self.cfg.channels), dtype=torch.float64, device=device)
         first = None
         for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = x.to(device, non_blocking=True)
             with autocast():
                 pred = model(x)
+            if y is None:  # a padding batch (utils/data/batching.py: EvenBatches)
+                continue
+            y = y.to(device, non_blocking=True)
             if pred is not None:
                 sums[0] += criterion(pred, y).double() * len(x)
                 sums[1] += len(x)
@@ -158,10 +161,11 @@ class LanguageTask:
         """val/loss and val/ppl over the validation blocks (reduced over dp); greedy continuations as text."""
         sums = torch.zeros(2, dtype=torch.float64, device=grid.device)
         for x, y in loader:
-            x, y = x.to(grid.device, non_blocking=True), y.to(grid.device, non_blocking=True)
+            x = x.to(grid.device, non_blocking=True)
             with autocast():
                 logits = model(x)  # None off the last pipeline stage (see WeatherTask.evaluate)
-                if logits is not None:
+                if logits is not None and y is not None:  # y None: a padding batch (EvenBatches)
+                    y = y.to(grid.device, non_blocking=True)
                     sums[0] += criterion(logits, y).double() * len(x)
                     sums[1] += len(x)
         all_reduce_(sums, grid.axis(Axis.DP, Axis.PP))

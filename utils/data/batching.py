@@ -60,7 +60,29 @@ def contiguous_part(n: int, rank: int, size: int) -> range:
 @dataclass
 class Loaders:
     train: DataLoader
-    val: DataLoader
+    val: DataLoader | EvenBatches
+
+
+class EvenBatches:
+    """A dp rank's validation batches, padded to the count of the largest rank's part. Each padding batch
+    is one sample of the validation set with no targets (y is None): the forward runs, the metrics skip
+    it. Under FSDP every forward gathers weights over dp, so every rank must run as many forwards."""
+
+    def __init__(self, loader: DataLoader, total: int):
+        self.loader, self.total = loader, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        count = 0
+        for x, y in self.loader:
+            count += 1
+            yield x, y
+        if count < self.total:
+            x = torch.utils.data.default_collate([self.loader.dataset.dataset[0]])[0]
+            for _ in range(self.total - count):
+                yield x, None
 
 
 def check_batch(global_batch_size: int, dp: int, grad_accum_steps: int, num_samples: int,
@@ -79,7 +101,7 @@ def check_batch(global_batch_size: int, dp: int, grad_accum_steps: int, num_samp
 
 def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: int, dp_rank: int, dp_size: int,
                   seed: int, start_step: int, num_workers: int, pin_memory: bool,
-                  worker_start: str = "forkserver") -> Loaders:
+                  worker_start: str = "forkserver", even_val_batches: bool = False) -> Loaders:
     """Train loader over GlobalBatchSampler from `start_step`; val loader over this rank's val shard.
 
     `worker_start`: how worker processes start. By the time the loaders start their workers a rank
@@ -109,4 +131,7 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
                      worker_init_fn=ignore_stop_signals if val_workers > 0 else None,
                      multiprocessing_context=multiprocessing.get_context(worker_start) if val_workers > 0 else None,
                      generator=torch.Generator().manual_seed(seed))
+    if even_val_batches:  # as many validation batches on every dp rank (see EvenBatches)
+        largest = max(len(contiguous_part(len(val_set), r, dp_size)) for r in range(dp_size))
+        val = EvenBatches(val, -(-largest // val.batch_size))
     return Loaders(train, val)
