@@ -15,8 +15,17 @@ of the same sequences) and averaged over dp, by reduce-scattering in fp32 and di
 sums each sharded gradient's squares over this mesh once; checkpoints (distributed/sharded_state.py) save
 these DTensors as they are, or, under tp, gathered to the tp shard and resharded on load.
 
-Not composed (refused by the config check, exit 2): fp16 with its loss scaler (FSDP2 has no sharded
-inf check; torchtitan offers no fp16 either), and pipeline parallelism.
+Under pipeline parallelism only the blocks are sharded (the stages call the cut model's blocks and ends
+directly, so a root's forward would never run): each block is its own FSDP root, reduce-scattering after
+every microbatch's backward (accumulating into its sharded gradient), and the stages' ends stay
+replicated and are reduced with the pipeline's dp sync; Adam gets the two kinds in separate parameter
+groups (`param_groups`). Use `fsdp_reshard_after_forward=false` there, or every microbatch gathers each
+block twice.
+
+Refused by the config check (exit 2): fp16 with its loss scaler (FSDP2's sharded gradients and the
+scaler's inf check are unverified together; torchtitan offers no fp16 either), and the pipeline
+schedules that split backward into input and weight gradients (zero bubble), which bypass FSDP's
+gradient hooks.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from utils.comm import Axis, Grid
 
@@ -36,8 +46,12 @@ def fsdp_mesh(grid: Grid) -> DeviceMesh:
     return grid.mesh[names[0]] if len(names) == 1 else grid.mesh[names]._flatten("_".join(reversed(names)))
 
 
-def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard_after_forward: bool) -> nn.Module:
-    """fully_shard every block and the root over dp x cp; `model` itself (now an FSDPModule) is returned."""
+def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard_after_forward: bool,
+                        pipeline: bool = False) -> nn.Module:
+    """fully_shard every block and the root over dp x cp; `model` itself (now an FSDPModule) is returned.
+    `pipeline`: `model` is this rank's cut of the pipeline, whose stages call its blocks and ends
+    directly (the root's forward never runs): only the blocks are sharded, each its own FSDP root; the
+    ends stay replicated and the pipeline's dp reduction covers them (distributed/pipeline/schedule.py)."""
     if grid.axis(Axis.DP, Axis.CP).size == 1:
         return model
     mesh = fsdp_mesh(grid)
@@ -45,10 +59,19 @@ def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard
         if precision == "bf16" else MixedPrecisionPolicy()
     for block in model.blocks.children():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    if not pipeline:
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(grid.size(Axis.DP)))
             # a factor other than the group size is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide
             module.set_force_sum_reduction_for_comms(grid.device.type == "cpu")
     return model
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Optimizer parameter groups: FSDP's DTensor parameters apart from plain ones (a pipeline rank's
+    replicated ends), since Adam's foreach and fused kernels cannot mix the two in one group."""
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": group} for group in groups if group]

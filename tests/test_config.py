@@ -60,7 +60,7 @@ def test_every_preset_composes():
     (["data.img_size=[4,4]", "parallel.cp=2"], "parallel.cp"),  # one patch over two ranks
     (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp_attention"),  # the ring has no dropout
     (["parallel.cp_attention=striped"], "parallel.cp_attention"),
-    (["parallel.dp_mode=fsdp", "parallel=pp2"], "parallel.dp_mode"),  # not composed yet
+    (["parallel.dp_mode=fsdp", "parallel=pp2", "parallel.pp_schedule=zbv"], "parallel.dp_mode"),  # split backward
     (["parallel.dp_mode=fsdp", "precision=fp16"], "precision"),  # the scaler is unverified under FSDP2
     (["parallel.dp_mode=zero1"], "parallel.dp_mode"),
 ])

@@ -167,14 +167,15 @@ FSDP = "parallel.dp_mode=fsdp"
 RESUMED_UNDER = {"tp4": ["parallel=tp4"], "single": ["parallel=single"], "pp2": ["parallel=pp2"],
                  "fsdp_dp2": ["parallel.dp=2", FSDP],
                  "fsdp_tp2dp2": ["parallel=tp2", "parallel.dp=2", FSDP, "parallel.fsdp_reshard_after_forward=false"],
-                 "fsdp_cp2dp2": ["parallel=cp2", "parallel.dp=2", FSDP]}
+                 "fsdp_cp2dp2": ["parallel=cp2", "parallel.dp=2", FSDP],
+                 "fsdp_pp2dp2": ["parallel=pp2", "parallel.dp=2", FSDP, "parallel.fsdp_reshard_after_forward=false"]}
 
 
 @pytest.mark.parametrize("layout", ["tp2dp2", *RESUMED_UNDER])
 def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_step5, vit_reference, era5_root):
     """Steps 6-10 after resuming the tp2 x dp2 (DDP) checkpoint of step 5 under the same layout (in its own
-    run directory, every rank's RNG restored), tp4, one process, pp2, and FSDP2 over dp, dp x tp and dp x cp
-    follow the uninterrupted single-process curve (loss and gradient norm) within 1e-5. The FSDP runs'
+    run directory, every rank's RNG restored), tp4, one process, pp2, and FSDP2 over dp, dp x tp, dp x cp
+    and dp x pp (blocks sharded, the stages' ends replicated) follow the uninterrupted single-process curve (loss and gradient norm) within 1e-5. The FSDP runs'
     own final checkpoints hold the single-process shapes."""
     reference, tmp = vit_reference
     if layout == "tp2dp2":

@@ -19,7 +19,7 @@ from torch import nn
 from distributed.block_wrappers import wrap_blocks
 from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import local, wrap_data_parallel
-from distributed.fsdp import shard_data_parallel
+from distributed.fsdp import param_groups, shard_data_parallel
 from distributed.pipeline.plan import PipelinePlan, resolve_plan
 from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stages import build_stages, cut_for_rank
@@ -66,10 +66,11 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     # distinct per data-parallel replica and pipeline rank. Tensor-parallel ranks share it; dropouts on
     # tp-sharded activations fork a stream per shard from it (distributed/rng.py).
     seed_default_stream(cfg.trainer.seed, grid)
-    if plan is None and cfg.parallel.dp_mode == "fsdp":
-        model = shard_data_parallel(model, grid=grid, precision=cfg.precision.mode,
+    if cfg.parallel.dp_mode == "fsdp":
+        model = shard_data_parallel(model, grid=grid, precision=cfg.precision.mode, pipeline=plan is not None,
                                     reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
-        return BuiltModel(model, model, flops)
+        if plan is None:
+            return BuiltModel(model, model, flops)
     if plan is None:
         return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
     return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
@@ -138,7 +139,7 @@ def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: P
     """Model, optimizer, schedule, scaler and checkpointer: a trainer that can take steps (no data yet)."""
     configure_matmul(cfg.precision.mode)
     built = build_model(cfg, task, grid)
-    optimizer = build_optimizer(cfg.optim, built.raw.parameters(), grid.device)
+    optimizer = build_optimizer(cfg.optim, param_groups(built.raw), grid.device)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
     scaler = grad_scaler(cfg.precision.mode, grid.device, grid.world)
     background = background_group(grid) if cfg.trainer.ckpt_async else None

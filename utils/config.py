@@ -86,8 +86,10 @@ class Config:
         if self.parallel.pp > 1:
             self.check_pipeline()
         if self.parallel.dp_mode == "fsdp":
-            require(self.parallel.pp == 1, "parallel.dp_mode=fsdp with parallel.pp > 1 is not supported yet",
-                    "parallel.dp_mode", "use parallel.dp_mode=ddp with pipeline parallelism")
+            require(self.parallel.pp == 1 or self.parallel.pp_schedule not in SPLIT_BACKWARD,
+                    f"parallel.dp_mode=fsdp with pp_schedule={self.parallel.pp_schedule}, which splits backward into "
+                    "input and weight gradients around FSDP's gradient hooks", "parallel.dp_mode",
+                    "use parallel.dp_mode=ddp, or pp_schedule=gpipe, 1f1b, interleaved_1f1b or looped_bfs")
             require(self.precision.mode != "fp16", "parallel.dp_mode=fsdp with precision=fp16: the loss scaler is not "
                     "verified with FSDP2's sharded gradients", "precision", "use precision=bf16 (or fp32) with fsdp")
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",

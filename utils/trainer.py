@@ -138,8 +138,11 @@ class Trainer:
         require(meta["samples"] == step * self.tc.global_batch_size,
                 f"the checkpoint consumed {meta['samples']} samples in {step} steps of {meta['global_batch_size']}",
                 "trainer.global_batch_size", f"resume with trainer.global_batch_size={meta['global_batch_size']}")
-        self.scheduler.load_state_dict(meta["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+        groups = self.optimizer.param_groups  # one schedule for all; FSDP under pp has two groups
+        schedule = {**meta["scheduler"], "base_lrs": meta["scheduler"]["base_lrs"][:1] * len(groups),
+                    "_last_lr": meta["scheduler"]["_last_lr"][:1] * len(groups), "lr_lambdas": [None] * len(groups)}
+        self.scheduler.load_state_dict(schedule)
+        for group, lr in zip(groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         self.scaler.load_state_dict(meta["scaler"])
         self.step = step

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed.pipelining.schedules as torch_schedules
 from torch import nn
 
@@ -82,8 +83,9 @@ class Pipeline:
 
     def sync_grads(self) -> None:
         """After the last microbatch: the dp x cp reduction, then the tied embedding copies."""
-        if self.replicas.size > 1:
-            torch._foreach_div_(sum_grads(list(self.model.parameters()), self.replicas), self.grid.size(Axis.DP))
+        if self.replicas.size > 1:  # FSDP-sharded blocks (DTensor parameters) were reduce-scattered already
+            replicated = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
+            torch._foreach_div_(sum_grads(replicated, self.replicas), self.grid.size(Axis.DP))
         ends = self.grid.pipeline_ends
         if self.tied is not None and ends is not None and self.tied.grad is not None:
             all_reduce_(self.tied.grad, ends)
