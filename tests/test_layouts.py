@@ -31,6 +31,7 @@ LAYOUTS = {
     "tp2dp2": ["parallel=tp2", "parallel.dp=2"],
     "dp2_accum2": ["parallel.dp=2", "trainer.grad_accum_steps=2"],  # no dp sync before the last micro-batch
     "fsdp_dp2": ["parallel.dp=2", "parallel.dp_mode=fsdp"],  # FSDP2 from the first step (more under resumes below)
+    "fsdp_tp2dp2": ["parallel=tp2", "parallel.dp=2", "parallel.dp_mode=fsdp"],
     "cp3": ["parallel.cp=3"],  # ViT: 128 patches split 43/43/42; LM: 2 x 3 chunks of 32 tokens do not fit
     "cp2": ["parallel=cp2"],
     "tp2cp2_allgather": ["parallel=tp2cp2", "parallel.cp_attention=allgather"],
@@ -43,10 +44,11 @@ LAYOUTS = {
     "pp2cp2": ["parallel=pp2", "parallel.cp=2"],
 }
 # A layout's group structure under each order is tested in tests/test_grid.py; here, one 4-rank
-# product per pair of axes and model is enough to keep the suite within its time.
+# product per pair of axes and model is enough to keep the suite within its time. The ViT under tp2
+# runs through torchrun (test_torchrun_launch), tp2 x dp2 stopped and resumed (test_vit_tp2dp2_*).
 # Pipeline schedules: every one against the serial gradients in tests/test_pipeline.py; here GPipe, 1F1B,
 # interleaved 1F1B, ZBV x dp2 (with a resume, below), and 1F1B with the LM's tied embedding under tp and cp.
-VIT_LAYOUTS = ["dp2", "tp2", "dp2_accum2", "fsdp_dp2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
+VIT_LAYOUTS = ["dp2", "dp2_accum2", "fsdp_dp2", "fsdp_tp2dp2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
                "pp2_1f1b", "pp2_interleaved"]
 GPT_LAYOUTS = ["dp2", "tp2", "cp2", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2", "pp2cp2"]
 
@@ -224,6 +226,7 @@ def test_torchrun_launch(vit_reference, era5_root):
                            "parallel=tp2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_same_curve(reference, curves(run_dir))
+    assert read_scalars(run_dir)["comm/tp_bytes"][0][1] > 0
 
 
 @pytest.fixture(scope="module")
