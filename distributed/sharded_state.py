@@ -34,7 +34,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from distributed.collectives import all_gather, split_sizes
@@ -111,6 +116,9 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
                     for_load: bool) -> View:
     """The flat view of this rank's model (and optimizer) state; see the module doc. `for_load`: uneven
     tensors get empty full-size buffers to read into, instead of being gathered."""
+    for module in model.modules():  # after a no-grad forward without resharding, FSDP modules hold the
+        if isinstance(module, FSDPModule):  # gathered parameters: back to the sharded ones the optimizer has
+            module.reshard()
     layout, view = shard_layout(model), View()
 
     def add(key: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
@@ -146,6 +154,7 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
     if optimizer is not None:
         init_optimizer_state(optimizer)
         for name, param in params.items():
+            assert param in optimizer.state, f"{name} is not a parameter the optimizer updates"
             for entry, value in optimizer.state[param].items():
                 add(f"optim/{name}/{entry}", value, param)
     return view
@@ -159,14 +168,22 @@ def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict")}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata classes, torch sizes and dtypes, and paths: nothing that runs code."""
+    """Admits exactly DCP's metadata classes, torch sizes and dtypes, and paths: nothing that runs code
+    (a dotted name, which pickle would resolve attribute by attribute, is refused outright)."""
 
     def find_class(self, module: str, name: str):
-        allowed = (module.startswith("torch.distributed.checkpoint.")
-                   or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-                   or (module, name) in {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                                         ("pathlib", "WindowsPath"), ("collections", "OrderedDict")})
+        allowed = "." not in name and ((module, name) in _METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
         if not allowed:
             raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
         return super().find_class(module, name)

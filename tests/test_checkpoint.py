@@ -167,6 +167,20 @@ def test_loading_refuses_arbitrary_objects(tmp_path):
     assert not (tmp_path / "pwned").exists() and not (ROOT / "pwned").exists()
 
 
+def test_dotted_names_cannot_reach_past_the_allowed_classes(tmp_path):
+    """pickle resolves `module.a.b` attribute by attribute: an allowed module must not lend its imports
+    (here torch.distributed.checkpoint.filesystem's `os`) to a crafted checkpoint."""
+    module = b"torch.distributed.checkpoint.filesystem"
+    command = f"touch {tmp_path / 'pwned'}".encode()
+    payload = (b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c\x09os.system\x93"
+               + b"\x8c" + bytes([len(command)]) + command + b"\x85R.")
+    ck = saved(tmp_path, steps=(1,))
+    (ck.latest() / ".metadata").write_bytes(payload)
+    with pytest.raises(ConfigError, match="no readable checkpoint.*metadata is unreadable"):
+        resumed_step(ck, "1")
+    assert not (tmp_path / "pwned").exists()
+
+
 def test_another_model_is_refused(tmp_path):
     ck = saved(tmp_path, steps=(1,))
     for view, what in ((View({"w": torch.empty(4)}), r"w has shape \[3\], this model's is \[4\]"),

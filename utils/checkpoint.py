@@ -171,7 +171,11 @@ class Checkpointer:
             return None
         step, tmp, final, future = self.pending
         self.pending = None
-        future.result()  # raises what the save raised: the checkpoint is not published
+        try:
+            future.result()  # raises what the save raised: the checkpoint is not published
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            raise RuntimeError(f"the background save of {final.name} failed: {' '.join(str(err).split())[:600]}") \
+                from None
         if self.rank == 0:  # rank 0's future completes after DCP gathered every rank's write results
             self._publish(step, tmp, final)
         return final

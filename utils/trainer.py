@@ -15,7 +15,7 @@ from distributed.collectives import all_reduce_, mean_over
 from distributed.data_parallel import no_sync, sync_partial_grads
 from distributed.grad_norm import clip_grad_norm
 from distributed.rng import seed_default_stream
-from distributed.sharded_state import View, checkpoint_view
+from distributed.sharded_state import View, checkpoint_view, read_shapes
 from utils.checkpoint import Checkpointer, rng_tensors, set_rng_tensors
 from utils.comm import Axis, Grid
 from utils.data.batching import WORKER_STARTS, Loaders
@@ -128,8 +128,9 @@ class Trainer:
         """What this rank reads from a checkpoint: its model and optimizer state in this layout, and its
         RNG state when the checkpoint was written by this same layout."""
         view = checkpoint_view(self.raw_model, self.optimizer, self.grid, for_load=True)
-        if meta.get("layout") == self.grid.signature:
-            view.tensors.update({k: torch.empty_like(v) for k, v in rng_tensors(self.rng_prefix).items()})
+        if meta.get("layout") == self.grid.signature:  # the RNG states it has (no CUDA state from a CPU run)
+            saved = read_shapes(path)
+            view.tensors.update({k: torch.empty_like(v) for k, v in rng_tensors(self.rng_prefix).items() if k in saved})
         return view
 
     def restore(self, meta: dict, view: View) -> None:
