@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,26 @@ def test_rng_state_round_trip():
     a = torch.rand(3)
     set_rng_tensors(state, "rng/0/")
     assert torch.equal(torch.rand(3), a)
+
+
+def _rank0_disk_full(rank: int, world_size: int, tmp_path) -> None:
+    from utils.comm import ParallelConfig, init_grid
+
+    grid = init_grid(ParallelConfig(dp=world_size))
+    ck = Checkpointer(tmp_path, grid.world)
+    ck.save(1, {"w": torch.full((4,), float(rank))}, {})
+    if rank == 0:  # rank 0 alone cannot write the next checkpoint's state file
+        real = Path.mkdir
+        Path.mkdir = lambda self, *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    with pytest.raises((OSError, RuntimeError), match="No space left on device"):
+        ck.save(2, {"w": torch.full((4,), float(rank))}, {})
+    if rank == 0:
+        Path.mkdir = real
+    assert [p.name for p in ck.complete_steps()] == ["step_0000001"]
+
+
+def test_rank0_failing_to_write_stops_every_rank(tmp_path):
+    """A disk-full rank 0 raises on every rank (the others are told, not left in a barrier)."""
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_rank0_disk_full, 2, tmp_path, tmp_path, timeout_s=60)

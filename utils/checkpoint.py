@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from distributed.collectives import all_reduce_, barrier, broadcast_object
+from distributed.collectives import all_reduce_, broadcast_object
 from distributed.sharded_state import View, load_state, read_shapes, save_state, truncated_files
 from utils.comm import AxisGroup
 from utils.errors import ConfigError
@@ -145,19 +145,33 @@ class Checkpointer:
         `background`: return once the tensors are copied to host memory; `poll`/`wait` publish it."""
         self.wait()  # one save in flight
         final, tmp = self.step_dir(step), self.dir / f".tmp_step_{step:07d}"
-        if self.rank == 0:
+
+        def prepare() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             write_durably(tmp / "state.json", json.dumps({**meta, "step": step}))
-        barrier(self.world)
+        self._on_rank0(prepare)
         future = save_state(tensors, tmp, self.world, background=background, background_group=self.background_group)
         if future is not None:
             self.pending = (step, tmp, final, future)
             return final
-        if self.rank == 0:
-            self._publish(step, tmp, final)
-        barrier(self.world)
+        self._on_rank0(lambda: self._publish(step, tmp, final))
         return final
+
+    def _on_rank0(self, action: Callable[[], None]) -> None:
+        """Run rank 0's file work and tell every rank whether it failed (a disk-full rank 0 must not leave
+        the others waiting in a barrier): it raises on every rank, rank 0's own error on rank 0."""
+        failure: Exception | None = None
+        if self.rank == 0:
+            try:
+                action()
+            except Exception as err:
+                failure = err
+        verdict = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", self.world)
+        if failure is not None:
+            raise failure
+        if verdict is not None:
+            raise RuntimeError(f"rank 0 could not write the checkpoint ({verdict})")
 
     def poll(self) -> Path | None:
         """The folder of a background save that just completed (published by rank 0), else None."""
@@ -314,6 +328,9 @@ def _agreed_choice(resume: str, checkpointer: Checkpointer) -> tuple[list[Path],
             decision = choose_resume(resume, checkpointer)
         except ConfigError as err:
             decision = (err.what, err.setting, err.fix)
+        except OSError as err:  # told to every rank, not left behind in the broadcast
+            decision = (f"cannot read the checkpoints of {checkpointer.dir} ({err})", "run.dir",
+                        "check that this job can read and write the run directory")
     decision = broadcast_object(decision, checkpointer.world)
     if isinstance(decision[0], str):
         raise ConfigError(*decision)
