@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from distributed.collectives import all_reduce_, broadcast_object
+from distributed.collectives import all_reduce_, barrier, broadcast_object
 from distributed.sharded_state import View, load_state, read_shapes, save_state, truncated_files
 from utils.comm import AxisGroup
 from utils.errors import ConfigError
@@ -156,6 +156,7 @@ class Checkpointer:
             self.pending = (step, tmp, final, future)
             return final
         self._on_rank0(lambda: self._publish(step, tmp, final))
+        barrier(self.world)  # every rank leaves the save together (a broadcast's root may return first)
         return final
 
     def _on_rank0(self, action: Callable[[], None]) -> None:
