@@ -224,7 +224,7 @@ class Checkpointer:
             else:
                 shutil.rmtree(old, ignore_errors=True)
         for stale in self.dir.glob(".tmp_step_*"):
-            if stale.name != f".tmp_{newest.name}" and (self.pending is None or stale != self.pending[1]):
+            if stale.name != f".tmp_{newest.name}":  # publishing happens with no save in flight
                 shutil.rmtree(stale, ignore_errors=True)
 
     def read_meta(self, path: Path) -> dict:
