@@ -1,5 +1,8 @@
 """Launch the ranks a parallel layout needs on this machine: `python train_mp.py parallel=tp2 [...]`.
 
+`python train.py parallel=tp2 [...]` started as one process (no torchrun or Slurm variables) comes here
+by itself; this entry adds `--nproc N` (e.g. more data-parallel ranks than parallel.dp says).
+
 Starts world = tp*cp*pp*dp processes of `train.py` (dp = parallel.dp, or 1 when it is derived; or
 `--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs, else CPU processes
 on gloo. Returns the first non-zero exit status; when a rank fails, the others are stopped at once.
@@ -20,7 +23,7 @@ import torch
 from utils.comm import check_grid
 from utils.config import load_config
 from utils.errors import ConfigError, exit_bad_input
-from utils.launch import LaunchEnv, die_with_parent, free_port, rank_env
+from utils.launch import LaunchEnv, die_with_parent, free_port, rank_env, ranks_needed
 from utils.preemption import EXIT_LATE, EXIT_PREEMPTED
 
 
@@ -45,7 +48,7 @@ def world_size(argv: list[str], nproc: int | None) -> int:
     """Ranks the grid needs (validated like train.py does, before anything starts)."""
     cfg, _, _ = load_config(argv)
     p = cfg.parallel
-    world = nproc or p.tp * p.cp * p.pp * max(p.dp, 1)
+    world = nproc or ranks_needed(p)
     check_grid(p, LaunchEnv(world_size=world))
     return world
 
@@ -111,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         world = world_size(argv, nproc)
     except ConfigError as err:
         exit_bad_input(err)
+    return launch(argv, world)
+
+
+def launch(argv: list[str], world: int) -> int:
+    """Start `world` local ranks of train.py with `argv`, supervise them, return the job's exit status."""
     use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world
     port = free_port()
     entry = str(Path(__file__).resolve().parent / "train.py")

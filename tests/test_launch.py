@@ -213,3 +213,16 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
         torch.testing.assert_close(got[key], ref[key], rtol=0, atol=0, msg=key)
     losses = [[v for _, v in read_scalars(tmp_path / name)["train/loss"]] for name in ("full", "killed")]
     assert losses[1] == losses[0]  # TensorBoard keeps the re-run steps' values (out-of-order events purged)
+
+
+def test_train_py_as_one_process_launches_the_ranks_of_the_layout(tmp_path):
+    """The mission's command as typed: `python train.py parallel=tp2 ...` starts two ranks by itself."""
+    from tests.conftest import read_scalars
+
+    proc = run_entry("train.py", "parallel=tp2", "trainer.max_steps=3", "trainer.val_every=0", "trainer.num_workers=0",
+                     f"run.dir={tmp_path}", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "train_mp: launching 2 ranks on CPU (gloo)" in proc.stdout
+    assert "INFO grid: world=2 tp=2 " in proc.stdout, proc.stdout
+    tp_bytes = read_scalars(tmp_path)["comm/tp_bytes"]
+    assert [step for step, _ in tp_bytes] == [1, 2, 3] and all(value > 0 for _, value in tp_bytes)

@@ -42,6 +42,11 @@ def launch_env(environ=os.environ) -> LaunchEnv:
     return LaunchEnv()
 
 
+def ranks_needed(parallel) -> int:
+    """The world size a layout asks for when started as one process: tp*cp*pp*dp (dp=0, derived: 1)."""
+    return parallel.tp * parallel.cp * parallel.pp * max(parallel.dp, 1)
+
+
 def restart_warning(environ=os.environ) -> str | None:
     """A warning for torchrun --max-restarts when it shares its rendezvous store with the ranks (its
     default): a restarted round can read the previous round's addresses and fail to connect (torch
