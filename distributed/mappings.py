@@ -10,6 +10,8 @@ sequence parallelism, Korthikanti et al. 2022, sec. 4.2.2):
     gather_from_region    fwd all-gather      bwd keep own chunk
     all_gather_region     fwd all-gather      bwd reduce-scatter  `g` of sequence parallelism
     reduce_scatter_region fwd reduce-scatter  bwd all-gather      `g-bar` of sequence parallelism
+    all_gather_linear     fwd all-gather, then x @ W^T + b; bwd all-gather again, reduce-scatter dX
+                          (`g` fused with the column-parallel matmul: only the shard is saved)
 
 A size-1 axis returns the input unchanged (no collective, no autograd node). Splits along `dim` follow
 `torch.tensor_split`: with L = q*n + r, the first r ranks hold q+1 elements and the rest q. A gather
@@ -34,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from distributed.collectives import all_gather, all_reduce, own_chunk, reduce_scatter, split_sizes
 from utils.comm import AxisGroup
@@ -115,6 +118,33 @@ class _AllGatherRegion(torch.autograd.Function):
         return reduce_scatter(grad, ctx.axis, ctx.dim), None, None, None
 
 
+class _AllGatherLinear(torch.autograd.Function):
+    """y = all_gather(x) @ W^T + b, saving only the sequence shard `x`: backward gathers it again for dW
+    (Korthikanti et al. 2022, sec. 4.2.3; Megatron's column-parallel layer under sequence parallelism).
+    Computes in x's dtype (the caller casts x to the autocast dtype): W and b are cast to it, as autocast
+    would; their gradients are returned in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, axis: AxisGroup, dim: int, sizes: list[int]):
+        w = weight.to(x.dtype)
+        y = F.linear(all_gather(x, axis, dim, sizes), w, None if bias is None else bias.to(x.dtype))
+        ctx.save_for_backward(x, w)  # the shard (1/t of the gathered input) and the weight as used
+        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        full = all_gather(x, ctx.axis, ctx.dim, ctx.sizes)  # the re-gather: counted like the forward one
+        grad = grad.to(w.dtype)
+        grad_x = reduce_scatter(grad.matmul(w), ctx.axis, ctx.dim)  # (..., N_local, in)
+        rows = grad.reshape(-1, grad.shape[-1])  # (B*N, out_local)
+        grad_w = rows.t().matmul(full.reshape(-1, full.shape[-1])).to(ctx.dtypes[0])
+        grad_b = None if ctx.dtypes[1] is None else rows.sum(0).to(ctx.dtypes[1])
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 class _ReduceScatterRegion(torch.autograd.Function):
     """Reduce-scatter along `dim` forward; all-gather of the gradient backward."""
 
@@ -181,6 +211,17 @@ def all_gather_region(x: torch.Tensor, axis: AxisGroup, dim: int,
         return x
     dim %= x.dim()
     return _AllGatherRegion.apply(x, axis, dim, _resolve_sizes(x, axis, dim, sizes))
+
+
+def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, axis: AxisGroup, dim: int,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """`F.linear(all_gather_region(x, axis, dim, sizes), weight, bias)`, keeping only the shard `x` for
+    backward, which all-gathers it again: activation memory of the column-parallel input falls to 1/t
+    for one more all-gather per layer in backward. Computes in x's dtype."""
+    if axis.size == 1:
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    dim %= x.dim()
+    return _AllGatherLinear.apply(x, weight, bias, axis, dim, _resolve_sizes(x, axis, dim, sizes))
 
 
 def reduce_scatter_region(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:

@@ -26,10 +26,11 @@ class SequenceRegion(nn.Identity):
     replicated layers after the blocks ('exit': sequence parallelism), or gathered after the per-token
     output layers ('output': context parallelism, whose layers after 'exit' still see a shard)."""
 
-    def __init__(self, kind: str, seq_dim: int = 1):
+    def __init__(self, kind: str, seq_dim: int = 1, feeds_matmul: bool = False):
         super().__init__()
         assert kind in ("enter", "exit", "output")
         self.kind, self.seq_dim = kind, seq_dim
+        self.feeds_matmul = feeds_matmul  # the next op is a matmul: a gather here may move its (autocast) dtype
 
 
 class ScaledDotProductAttention(nn.Module):

@@ -64,7 +64,7 @@ class ViT(nn.Module):
             Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_ratio, causal=False, dropout=cfg.dropout)
             for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.embed_dim)
-        self.exit_seq = SequenceRegion("exit")
+        self.exit_seq = SequenceRegion("exit", feeds_matmul=True)  # the head
         self.head = nn.Linear(cfg.embed_dim, out_channels * p * p)
         self.gather_out = SequenceRegion("output")
         self.criterion = RelativeL2Loss()  # the seed's relative L2 loss, used by the trainer

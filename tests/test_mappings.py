@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import mappings as M
+from distributed.collectives import ring_bytes
 from tests.dist_utils import run_ranks
 from utils.comm import AxisGroup, ParallelConfig, init_grid
 
@@ -62,7 +63,36 @@ def _adjoint_cases(axis: AxisGroup, length: int):
         ("gather", lambda t: M.gather_from_region(t, axis, DIM, sizes), own_x, full_y, False, True),
         ("all_gather", lambda t: M.all_gather_region(t, axis, DIM, sizes), own_x, mine_y, False, False),
         ("reduce_scatter", lambda t: M.reduce_scatter_region(t, axis, DIM), mine_x, own_y, False, False),
+        ("all_gather_linear", lambda t: M.all_gather_linear(t, _weight(50 + r), None, axis, DIM, sizes), own_x,
+         _full(60 + r, length)[..., :4], False, False),
     ]
+
+
+def _weight(seed: int) -> torch.Tensor:
+    """A (4, 5) weight, other on every rank (a column-parallel shard)."""
+    return torch.randn(4, SHAPE[2], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _check_gather_linear(axis: AxisGroup, length: int) -> None:
+    """The fused all-gather + linear (saving the shard) equals all_gather_region then F.linear in output, input
+    gradient, weight and bias gradients, and moves one all-gather more (the backward re-gather)."""
+    sizes = M.split_sizes(length, axis.size)
+    x, g = _full(10 + axis.rank, sizes[axis.rank]), _full(60 + axis.rank, length)[..., :4]
+    results = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in (x, _weight(50 + axis.rank), _weight(70)[:, 0])]
+        before = axis.bytes_moved
+        if fused:
+            out = M.all_gather_linear(*leaves, axis, DIM, sizes)
+        else:
+            out = torch.nn.functional.linear(M.all_gather_region(leaves[0], axis, DIM, sizes), *leaves[1:])
+        out.backward(g)
+        results.append((axis.bytes_moved - before, out, *[t.grad for t in leaves]))
+    (fused_bytes, *fused), (ref_bytes, *ref) = results
+    for a, b in zip(fused, ref):
+        torch.testing.assert_close(a, b)
+    gather = ring_bytes("all_gather", axis.size * max(sizes) * SHAPE[0] * SHAPE[2] * 8, axis.size)
+    assert fused_bytes == ref_bytes + gather
 
 
 def _check_forward_values(axis: AxisGroup, length: int) -> None:
@@ -135,6 +165,7 @@ def _mapping_checks(rank: int, world_size: int) -> None:
         for name, fn, x, y, in_rep, out_rep in _adjoint_cases(axis, length):
             _check_adjoint(fn, x, y, in_rep, out_rep, axis)
         _check_forward_values(axis, length)
+        _check_gather_linear(axis, length)
     _check_bytes(axis)
     if world_size == 2:
         _check_compiles(axis)

@@ -7,10 +7,14 @@ weight gradient, sharded gradients gathered to full size.
 
 Communication accounting (ViT, one forward+backward, measured on the tp axis before the partial
 gradient sync): the blocks move exactly depth x 8(t-1)/t x A bytes, A = batch x tokens x hidden x
-bytes/element. The ViT's patch embedding and head stay replicated (no communication); under sequence
-parallelism the 'enter' split all-gathers the gradient in backward and the 'exit' gather
-all-gathers in forward, (t-1)/t x A each, so the expected total is (8 depth + 2)(t-1)/t x A. The
-sync of partial LayerNorm / row-parallel bias gradients is checked separately.
+bytes/element, without sequence parallelism; with it 10(t-1)/t x A per block (the column-parallel
+layers gather their saved shard again in backward), or 8 with `keep_gathered`. The ViT's patch
+embedding and head stay replicated (no communication); under sequence parallelism the 'enter' split
+all-gathers the gradient in backward and the 'exit' gather all-gathers in forward, (t-1)/t x A each.
+The sync of partial LayerNorm / row-parallel bias gradients is checked separately.
+
+Activation memory: the bytes the blocks save for backward (saved-tensor hooks) per rank are 1/t of the
+serial model's under sequence parallelism (within 2%), and more with `keep_gathered`.
 """
 
 from __future__ import annotations
@@ -86,10 +90,31 @@ def _check_grad_norm(serial: nn.Module, parallel: nn.Module, grid: Grid) -> None
     assert axis.bytes_moved - before == 2 * (axis.size - 1) * 4 // axis.size
 
 
-def _check_vit(grid: Grid, sp: bool) -> None:
+def _block_saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages the blocks save for backward in one forward (weights excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, saved = [False], {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if inside[0] and ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    hooks = [h for b in model.blocks for h in (b.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True)),
+                                               b.register_forward_hook(lambda *a: inside.__setitem__(0, False)))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    for h in hooks:
+        h.remove()
+    return sum(saved.values())
+
+
+def _check_vit(grid: Grid, sp: bool | str) -> None:
+    """sp: False, True (column-parallel layers save their shard) or 'keep' (they save the gathered input)."""
     axis, t = grid.axis("tp"), grid.size("tp")
     serial = build_vit()
-    parallel = parallelize(copy.deepcopy(serial), grid=grid, sequence_parallel=sp)
+    parallel = parallelize(copy.deepcopy(serial), grid=grid, sequence_parallel=bool(sp), keep_gathered=sp == "keep")
     x = torch.randn(BATCH, CHANNELS, *IMG, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     g = torch.randn(BATCH, CHANNELS, *IMG, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     x_ref, x_par = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -99,14 +124,33 @@ def _check_vit(grid: Grid, sp: bool) -> None:
     y = parallel(x_par)
     y.backward(g)
     activation_bytes = BATCH * serial.num_tokens() * EMBED * x.element_size()  # A
-    expected = (8 * DEPTH + (2 if sp else 0)) * (t - 1) * activation_bytes // t
+    expected = ((10 if sp is True else 8) * DEPTH + (2 if sp else 0)) * (t - 1) * activation_bytes // t
     assert axis.bytes_moved == expected, (sp, axis.bytes_moved, expected)
-    _check_partial_sync(parallel, grid, sp)
+    ratio = _block_saved_bytes(parallel, x) / _block_saved_bytes(serial, x)
+    assert abs(ratio - 1 / t) < 0.02 if sp is True else ratio > 1 / t + 0.05, (sp, ratio)
+    _check_partial_sync(parallel, grid, bool(sp))
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(x_par.grad, x_ref.grad)
     _compare_grads(serial, parallel, axis)
     _check_grad_norm(serial, parallel, grid)
     _check_memory(serial, parallel, t)
+
+
+def _check_autocast_bytes(grid: Grid) -> None:
+    """Under bf16 autocast every collective of the blocks and the 'exit' gather (it feeds the head's matmul)
+    move bf16: exactly half of fp32's bytes. Only the 'enter' split's backward gathers an fp32 gradient
+    (the residual stream stays fp32, as in the serial model)."""
+    axis, t = grid.axis("tp"), grid.size("tp")
+    x = torch.randn(BATCH, CHANNELS, *IMG, generator=torch.Generator().manual_seed(1))
+    for sp in (False, True):
+        model = parallelize(build_vit().float(), grid=grid, sequence_parallel=sp)
+        grid.reset_comm_bytes()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().square().mean().backward()
+        a2 = BATCH * model.num_tokens() * EMBED * 2  # A in bf16
+        want = ((10 * DEPTH + 1) * (t - 1) * a2 + (t - 1) * 2 * a2) // t if sp else 8 * DEPTH * (t - 1) * a2 // t
+        assert axis.bytes_moved == want, (sp, axis.bytes_moved, want)
 
 
 def _check_partial_sync(parallel: nn.Module, grid: Grid, sp: bool) -> None:
@@ -190,6 +234,8 @@ def _parallelize_checks(rank: int, world_size: int) -> None:
         _check_vit(grid, sp)
         _check_gpt(grid, sp)
         _check_dropout_streams(grid, sp)
+    _check_vit(grid, "keep")
+    _check_autocast_bytes(grid)
     if world_size == 4:
         _check_bad_heads(grid)
 

@@ -57,7 +57,8 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     plan = pipeline_plan(cfg) if grid.size(Axis.PP) > 1 else None
     if plan is not None:
         model = cut_for_rank(model, plan, grid.rank(Axis.PP))
-    model = parallelize(model, grid=grid, sequence_parallel=cfg.parallel.sequence_parallel)
+    model = parallelize(model, grid=grid, sequence_parallel=cfg.parallel.sequence_parallel,
+                        keep_gathered=cfg.parallel.sp_keep_gathered)
     model = parallelize_context(model, grid=grid, variant=cfg.parallel.cp_attention)
     model.to(grid.device)
     if cfg.trainer.activation_checkpointing or cfg.precision.compile:

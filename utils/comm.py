@@ -54,6 +54,7 @@ class ParallelConfig:
     dp: int = 0  # data-parallel degree; 0 = derive from the world size
     order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
     sequence_parallel: bool = True  # Megatron sequence parallelism for norms/dropout under tp
+    sp_keep_gathered: bool = False  # SP: column-parallel layers save the gathered input (t x memory, 1 all-gather less)
     cp_attention: str = "ring"  # ring | allgather: how attention reaches the other cp ranks' keys and values
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
     pp_microbatches: int = 0  # microbatches per pipeline step (per grad_accum step); 0 = one per stage

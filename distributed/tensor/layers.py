@@ -25,9 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed.collectives import own_chunk, split_sizes
-from distributed.mappings import (all_gather_region, copy_to_region, gather_from_region, reduce_from_region,
+from distributed.mappings import (all_gather_linear, all_gather_region, copy_to_region, gather_from_region, reduce_from_region,
                                   reduce_scatter_region, scatter_to_region)
 from utils.comm import AxisGroup
+
+
+def to_matmul_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype autocast gives it at the next matmul (itself with autocast off). Cast before a
+    collective that feeds a matmul, it moves half the bytes under bf16/fp16 and the values are unchanged."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 def shard(tensor: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
@@ -100,7 +109,8 @@ class ParallelLinear(TensorParallelLayer):
     @classmethod
     def from_serial(cls, linear: nn.Linear, axis: AxisGroup, **kwargs) -> ParallelLinear:
         """This rank's shard of `linear` (rows for column-, columns for row-parallel; see shard_dims);
-        kwargs go to the constructor (gather_output, input_is_parallel, sequence_parallel, seq_dim, shards)."""
+        kwargs go to the constructor (gather_output, input_is_parallel, sequence_parallel, seq_dim, shards,
+        keep_gathered)."""
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, axis, bias=linear.bias is not None,
                     device=w.device, dtype=w.dtype, **kwargs)
@@ -115,18 +125,21 @@ class ColumnParallelLinear(ParallelLinear):
     In: (B, N, in) replicated, or (B, N_local, in) sequence shards when `sequence_parallel`.
     Out: (B, N, out_local); (B, N, out) replicated when `gather_output`.
     Fwd: identity, or all-gather(seq_dim) under SP; then all-gather(features) if `gather_output`.
-    Bwd: all-reduce of the input gradient, or reduce-scatter(seq_dim) under SP.
+    Bwd: all-reduce of the input gradient, or reduce-scatter(seq_dim) under SP; under SP the input is
+    saved as its shard and all-gathered again for the weight gradient, unless `keep_gathered` (saves
+    the gathered input: t times the activation memory, one all-gather less per backward).
+    The input is cast to the autocast dtype first, so every collective moves the matmul's dtype.
     """
 
     shard_dims = {"weight": 0, "bias": 0}
 
     def __init__(self, in_features: int, out_features: int, axis: AxisGroup, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1,
-                 shards: SequenceShards | None = None, device=None, dtype=None):
+                 shards: SequenceShards | None = None, keep_gathered: bool = False, device=None, dtype=None):
         super().__init__()
         self.axis = axis
         self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.gather_output, self.sequence_parallel, self.keep_gathered = gather_output, sequence_parallel, keep_gathered
         self.seq_dim, self.shards = seq_dim, shards
         self.out_sizes = split_sizes(out_features, axis.size)
         local = self.out_sizes[axis.rank]
@@ -135,17 +148,20 @@ class ColumnParallelLinear(ParallelLinear):
         _init_uniform(self.weight, self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            sizes = self.shards.sizes if self.shards is not None else None
-            x = all_gather_region(x, self.axis, self.seq_dim, sizes)  # (B, N, in)
+        x = to_matmul_dtype(x)
+        sizes = self.shards.sizes if self.shards is not None else None
+        if self.sequence_parallel and not self.keep_gathered:
+            y = all_gather_linear(x, self.weight, self.bias, self.axis, self.seq_dim, sizes)  # (B, N, out_local)
         else:
-            x = copy_to_region(x, self.axis)
-        y = F.linear(x, self.weight, self.bias)  # (B, N, out_local)
+            x = all_gather_region(x, self.axis, self.seq_dim, sizes) if self.sequence_parallel else \
+                copy_to_region(x, self.axis)  # (B, N, in)
+            y = F.linear(x, self.weight, self.bias)  # (B, N, out_local)
         return gather_from_region(y, self.axis, -1, self.out_sizes) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} split over {self.axis.name}={self.axis.size}, "
-                f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}")
+                f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}, "
+                f"keep_gathered={self.keep_gathered}")
 
 
 class RowParallelLinear(ParallelLinear):
@@ -236,12 +252,14 @@ class ScatterSequence(nn.Module):
 class GatherSequence(nn.Module):
     """Exit of the sequence-parallel region: (B, N_local, D) shards -> (B, N, D) replicated.
 
-    Fwd: all-gather along `seq_dim` over `axis`; bwd: keep own chunk of the gradient.
+    Fwd: all-gather along `seq_dim` over `axis`; bwd: keep own chunk of the gradient. `feeds_matmul`: what
+    follows is a matmul (the ViT's head), so the gather moves the autocast dtype (`to_matmul_dtype`).
     """
 
-    def __init__(self, axis: AxisGroup, seq_dim: int, shards: SequenceShards):
+    def __init__(self, axis: AxisGroup, seq_dim: int, shards: SequenceShards, feeds_matmul: bool = False):
         super().__init__()
-        self.axis, self.seq_dim, self.shards = axis, seq_dim, shards
+        self.axis, self.seq_dim, self.shards, self.feeds_matmul = axis, seq_dim, shards, feeds_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_matmul_dtype(x) if self.feeds_matmul else x
         return gather_from_region(x, self.axis, self.seq_dim, self.shards.sizes)

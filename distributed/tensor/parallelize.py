@@ -18,7 +18,10 @@
 
 Weights are copied shard by shard from the serial model (`from_serial`), so the full weights of a
 parallel model equal the serial ones. Per block and training step the blocks move 8(t-1)/t x A bytes
-on tp (A = batch x tokens x hidden x bytes/element) with or without sequence parallelism.
+on tp (A = batch x tokens x hidden x bytes per element of the matmuls: 4 in fp32, 2 under bf16/fp16
+autocast, since column-parallel inputs are cast before they are communicated) without sequence
+parallelism, and 10(t-1)/t x A with it (the two column-parallel layers all-gather their input again in
+backward; 8(t-1)/t x A with `keep_gathered`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from networks.blocks import MLP, Attention, Block, SequenceRegion
 from utils.comm import Axis, AxisGroup, Grid
 
 
-def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool) -> nn.Module:
-    """Shard `model` over grid's tp axis in place and return it (unchanged at tp == 1).
+def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool, keep_gathered: bool = False) -> nn.Module:
+    """Shard `model` over grid's tp axis in place and return it (unchanged at tp == 1). `keep_gathered`:
+    column-parallel layers under sequence parallelism save their gathered input, not their shard.
 
     tp must divide every attention layer's head count (a user setting checked by utils.config.Config).
     """
@@ -44,23 +48,22 @@ def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool) -> nn.
     heads = [m.qkv.out_features // (3 * m.head_dim) for m in model.modules() if isinstance(m, Attention)]
     assert all(h % axis.size == 0 for h in heads), f"heads {heads} cannot be split over tp={axis.size}"
     shards = SequenceShards(axis)
-    _parallelize_vocab(model, axis, sequence_parallel, shards)
+    column = dict(sequence_parallel=sequence_parallel, shards=shards, keep_gathered=keep_gathered)
+    _parallelize_vocab(model, axis, column)
     for module in list(model.modules()):
         if isinstance(module, Attention):
-            module.qkv = ColumnParallelLinear.from_serial(module.qkv, axis, sequence_parallel=sequence_parallel,
-                                                          shards=shards)
+            module.qkv = ColumnParallelLinear.from_serial(module.qkv, axis, **column)
             module.proj = RowParallelLinear.from_serial(module.proj, axis, sequence_parallel=sequence_parallel)
             module.attend = per_shard(module.attend, (axis,))  # heads are split over tp
         elif isinstance(module, MLP):
-            module.fc1 = ColumnParallelLinear.from_serial(module.fc1, axis, sequence_parallel=sequence_parallel,
-                                                          shards=shards)
+            module.fc1 = ColumnParallelLinear.from_serial(module.fc1, axis, **column)
             module.fc2 = RowParallelLinear.from_serial(module.fc2, axis, sequence_parallel=sequence_parallel)
     if sequence_parallel:
         _parallelize_sequence_region(model, axis, shards)
     return model
 
 
-def _parallelize_vocab(model: nn.Module, axis: AxisGroup, sequence_parallel: bool, shards: SequenceShards) -> None:
+def _parallelize_vocab(model: nn.Module, axis: AxisGroup, column: dict) -> None:
     """Language models: vocab-parallel tok_embed, lm_head (tie kept) and criterion.
 
     The embedding all-reduces (no sequence split of its own) because positions are added and the
@@ -72,8 +75,7 @@ def _parallelize_vocab(model: nn.Module, axis: AxisGroup, sequence_parallel: boo
     if isinstance(embed, nn.Embedding):
         model.tok_embed = VocabParallelEmbedding.from_serial(embed, axis)
     if isinstance(head, nn.Linear):
-        model.lm_head = ColumnParallelLinear.from_serial(head, axis, sequence_parallel=sequence_parallel,
-                                                         shards=shards)
+        model.lm_head = ColumnParallelLinear.from_serial(head, axis, **column)
         if tied:
             model.lm_head.weight = model.tok_embed.weight  # the same contiguous vocabulary rows
         if isinstance(getattr(model, "criterion", None), nn.Module):
@@ -96,7 +98,8 @@ def _parallelize_sequence_region(model: nn.Module, axis: AxisGroup, shards: Sequ
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, SequenceRegion) and child.kind != "output":  # 'output' is cp's
-                region = ScatterSequence if child.kind == "enter" else GatherSequence
-                setattr(parent, name, region(axis, child.seq_dim, shards))
+                region = ScatterSequence(axis, child.seq_dim, shards) if child.kind == "enter" else \
+                    GatherSequence(axis, child.seq_dim, shards, child.feeds_matmul)
+                setattr(parent, name, region)
                 entries += child.kind == "enter"
     assert entries == 1, f"sequence parallelism needs exactly one 'enter' SequenceRegion, found {entries}"
