@@ -2,7 +2,7 @@
 
 Builds the trainer with `utils.build.build_trainer`, the setup train.py uses (any layout under torchrun),
 feeds random batches of the training shapes (no data files needed), runs `--warmup` steps, times
-`--steps` steps of Trainer.train_step and prints one markdown table row: samples/s, tokens/s,
+`--steps` steps (defaults 5 and 20) of Trainer.train_step and prints one markdown table row: samples/s, tokens/s,
 TFLOP/s per device, MFU, peak memory, the activation memory this rank keeps for backward (the peak
 bytes of the tensors autograd holds during one step, weights excluded: what tp, cp, activation
 checkpointing and the pipeline schedule shrink), with device and date; under pipeline parallelism a
@@ -82,11 +82,19 @@ class _Saved:
         self.tensor = tensor
 
 
-def saved_for_backward_bytes(trainer, x: torch.Tensor, y: torch.Tensor) -> int:
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage (shared by its views): the address of its StorageImpl, which
+    fake tensors (utils/plan.py) have too, where a data pointer they have not."""
+    return t.untyped_storage()._cdata
+
+
+def saved_for_backward_bytes(trainer, x: torch.Tensor, y: torch.Tensor, params=None) -> int:
     """Peak bytes of the tensors autograd holds for backward during one Trainer.train_step on (x, y), each
     storage once, parameters excluded. Without pipeline parallelism that is one micro-batch's forward;
-    with it, every microbatch the schedule has in flight at once (1F1B: about one per stage, GPipe: all)."""
-    params = {p.untyped_storage().data_ptr() for p in trainer.raw_model.parameters()}
+    with it, every microbatch the schedule has in flight at once (1F1B: about one per stage, GPipe: all).
+    `params`: the tensors standing for the weights (default the model's parameters; the planner passes
+    their fake counterparts)."""
+    params = {storage_id(p) for p in (trainer.raw_model.parameters() if params is None else params)}
     live: dict[int, list[int]] = {}  # storage -> [bytes, saved references]
     total = peak = 0
 
@@ -98,7 +106,7 @@ def saved_for_backward_bytes(trainer, x: torch.Tensor, y: torch.Tensor) -> int:
 
     def pack(t: torch.Tensor):
         nonlocal total, peak
-        ptr = t.untyped_storage().data_ptr()
+        ptr = storage_id(t)
         if ptr in params:
             return t
         if ptr not in live:
@@ -143,8 +151,12 @@ def run(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
     try:
-        row = run(sys.argv[1:] if argv is None else list(argv))
+        row = run(argv)
     except ConfigError as err:
         exit_bad_input(err)
     finally:

@@ -1,0 +1,142 @@
+"""The layout planner (utils/plan.py) against what real runs measure.
+
+Comm bytes per axis: equal to the comm/<axis>_bytes a real multi-rank run logs (tp2 x dp2 and cp2 through
+train_mp.py, one step each). Parameter, gradient and Adam bytes: equal to a real trainer's after a real
+step (one process) and to the run's logged report (tp2 x dp2). Activation bytes: within 15% of
+utils.bench.saved_for_backward_bytes on real tensors. And the command line: --help, --json, bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, read_scalars, run_entry
+from utils.plan import GPUS, Hardware, link_gbs, main, plan_layout
+
+TINY = ["trainer.global_batch_size=8"]
+RUN = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]
+
+
+def measured_run(tmp_path, name, era5_root, *layout):
+    """comm/<axis>_bytes of the first step of a real run, and its rank-0 report of held bytes."""
+    run_dir = tmp_path / name
+    proc = run_entry("train_mp.py", *TINY, *RUN, f"data.root={era5_root}", f"run.dir={run_dir}", *layout,
+                     timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    comm = {tag[len("comm/"):-len("_bytes")]: values[0][1] for tag, values in read_scalars(run_dir).items()
+            if tag.startswith("comm/")}
+    report = re.search(r"this rank holds .*", (run_dir / "train.log").read_text()).group(0)
+    return comm, report
+
+
+def report_of(plan) -> str:
+    """utils.build.param_bytes_report's wording, from the planned bytes."""
+    n = plan.param_bytes // 4  # fp32 weights
+    return (f"this rank holds {n / 1e6:.2f}M parameters: {plan.param_bytes / 2**20:.1f} MiB weights, "
+            f"{plan.grad_bytes / 2**20:.1f} MiB gradients, {plan.optimizer_bytes / 2**20:.1f} MiB optimizer state")
+
+
+@pytest.mark.parametrize("layout,world", [(["parallel=tp2", "parallel.dp=2"], 4), (["parallel=cp2"], 2)])
+def test_planned_bytes_equal_a_real_run(tmp_path, era5_root, layout, world):
+    plan = plan_layout(TINY + layout, GPUS["cpu"], world)
+    comm, report = measured_run(tmp_path, plan.layout, era5_root, *layout)
+    assert plan.comm_bytes == comm
+    assert report_of(plan) == report
+
+
+def real_step(overrides):
+    """A real one-process trainer after one real step: its held bytes and saved-for-backward bytes."""
+    import tempfile
+    from pathlib import Path
+
+    from utils.bench import saved_for_backward_bytes
+    from utils.build import build_trainer
+    from utils.comm import Grid
+    from utils.config import load_config
+    from utils.tasks import build_task
+
+    cfg = load_config(overrides)[0]
+    grid = Grid.serial()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build_trainer(cfg, build_task(cfg, load_data=False), grid, logging.getLogger("t"), Path(tmp))
+        x, y = trainer.task.example_batch(cfg.trainer.global_batch_size, grid.device)
+        grid.reset_comm_bytes()
+        saved = saved_for_backward_bytes(trainer, x, y)
+        params = list(trainer.raw_model.parameters())
+        state = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
+                    if t.dim() > 0)
+        held = (sum(p.numel() * p.element_size() for p in params), sum(p.numel() * p.element_size()
+                for p in params if p.requires_grad), state)
+        trainer.tb.close()
+    return held, saved, grid.comm_bytes()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_single_process_bytes_equal_a_real_step(precision):
+    overrides = TINY + [f"precision={precision}"]
+    plan = plan_layout(overrides, GPUS["cpu"], 1)
+    held, saved, comm = real_step(overrides)
+    assert (plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes) == held
+    assert plan.comm_bytes == comm == {}
+    assert plan.activation_bytes == pytest.approx(saved, rel=0.15)
+    assert plan.step_time_s == pytest.approx(plan.compute_s) and plan.fits
+
+
+def test_links_follow_the_node_boundary():
+    hw = Hardware("H100", 450.0, 50.0, 8, 80.0)
+    assert link_gbs(hw, [0, 1, 2, 3]) == 450.0 and link_gbs(hw, [0, 8]) == 50.0
+
+
+def test_json_has_the_documented_keys(capsys):
+    assert main(["--json", "gpu=cpu", "parallel=tp2", *TINY]) == 0
+    (plan,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert {"comm_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+            "step_time_s"} <= set(plan)
+    assert plan["layout"] == "tp2" and set(plan["comm_bytes"]) == {"tp"}
+    assert plan["step_time_s"] == pytest.approx(plan["compute_s"] + plan["comm_s"]) and plan["comm_s"] > 0
+
+
+def test_help_exits_0_without_torch():
+    code = "import sys, utils.plan as p; assert p.main(['--help']) == 0; assert 'torch' not in sys.modules"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m utils.plan" in proc.stdout
+
+
+def test_bench_help_exits_0():
+    proc = subprocess.run([sys.executable, "-m", "utils.bench", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Benchmark the real train step")
+
+
+@pytest.mark.parametrize("args,setting", [(["parallel.bogus=1"], "parallel.bogus"), (["gpu=v100"], "gpu"),
+                                          (["--world", "x"], "--world"), (["parallel=pp2"], "parallel.pp"),
+                                          (["parallel.dp=2", "parallel.dp_mode=fsdp"], "parallel.dp_mode")])
+def test_bad_input_is_one_line_exit_2(capsys, args, setting):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert len(lines) == 1 and lines[0].startswith("error:") and setting in lines[0]
+
+
+def test_bad_input_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "utils.plan", "--bogus"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: unknown option '--bogus'")
+
+
+def test_uneven_refusal_is_listed(capsys):
+    """A layout the config refuses (vit_tiny's 4 heads over tp=3) is listed with its one-line reason."""
+    assert main(["gpu=cpu", "--world", "3", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\| tp3 \| refused \| error: .*parallel.tp", out)
+    assert torch.distributed.is_initialized() is False
