@@ -237,7 +237,8 @@ def measure(cfg, grid, trainer) -> tuple[dict[str, int], int]:
     mode = shapes_only()
     with mode:
         x, y = trainer.task.example_batch(cfg.trainer.global_batch_size // grid.size(Axis.DP), grid.device)
-        weights = [mode.from_tensor(p) for p in trainer.raw_model.parameters()]
+        params = list(trainer.raw_model.parameters())  # saved as they are, or as their fake counterparts
+        weights = params + [mode.from_tensor(p) for p in params]
         grid.reset_comm_bytes()
         activation = saved_for_backward_bytes(trainer, x, y, params=weights)
     return grid.comm_bytes(), activation
