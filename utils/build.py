@@ -33,7 +33,7 @@ from utils.flops import training_flops_per_sample
 from utils.launch import restart_warning
 from utils.logger import setup_logging
 from utils.optim import build_optimizer, build_scheduler
-from utils.precision import autocast, configure_matmul, grad_scaler
+from utils.precision import autocast, configure_matmul, grad_scaler, precision_notice
 from utils.runs import check_resumable, prepare_run_dir, run_dir_for
 from utils.tasks import build_task
 from utils.trainer import Trainer
@@ -171,4 +171,6 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
                  f"{plan.microbatches} microbatches per step, {plan.bubble_text()}\n"
                  + "\n".join(plan.describe()))
     log.info(param_bytes_report(trainer.raw_model, trainer.optimizer))
+    if (notice := precision_notice(cfg.precision.mode, grid.device)) is not None:
+        log.warning(notice)
     log.info(f"data: {task.describe()}")

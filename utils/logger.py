@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +66,17 @@ class Progress:
         if self.live:
             sys.stdout.write("\r")
         self.log.info(text)
+
+    def first_step_notice(self, step: int, after_s: float = 10.0) -> threading.Timer | None:
+        """A line `after_s` seconds into the first step of a run if it is still running (cancel the returned
+        timer when the step ends): long steps (big models on CPU, compilation) must not look frozen."""
+        if not self.enabled:
+            return None
+        timer = threading.Timer(after_s, self.message, [f"step {step} still running after {after_s:.0f} s (the first "
+                                                        "step also warms up, and compiles with precision.compile)"])
+        timer.daemon = True
+        timer.start()
+        return timer
 
 
 class TensorBoard:

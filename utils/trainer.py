@@ -231,8 +231,12 @@ class Trainer:
         watchdog = StepWatchdog(self.tc.hang_timeout_s, self.run_dir, self.grid.global_rank)
         with StopRequest(self.tc.preempt_deadline_s) as request, watchdog:
             self.watchdog = watchdog
+            notice = self.progress.first_step_notice(self.step + 1)
             while self.step < stop:
-                if self.fit_step(batches, request):
+                stopping = self.fit_step(batches, request)
+                if notice is not None:
+                    notice = notice.cancel()
+                if stopping:
                     self.watchdog.phase("checkpoint")
                     path = self.save_checkpoint(background=False)
                     self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
