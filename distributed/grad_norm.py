@@ -1,4 +1,4 @@
-"""Global gradient norm (and clipping) of a possibly tensor-parallel model.
+"""Global gradient norm (and clipping) of a possibly tensor-parallel model, with fused foreach kernels.
 
 A parameter sharded over an axis contributes its local sum of squares, summed over that axis (one
 counted all-reduce per axis); a replicated parameter contributes once. Under FSDP (distributed/fsdp.py)
@@ -18,24 +18,34 @@ from distributed.data_parallel import local
 from utils.comm import Axis, AxisGroup, Grid
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares (fp32) of many tensors, with one fused foreach norm kernel per dtype (half-precision
+    gradients accumulate in fp32)."""
+    total = None
+    for group in _by_dtype(grads):
+        low = group[0].dtype in (torch.float16, torch.bfloat16)
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32 if low else None)
+        sq = torch.stack(norms).float().pow(2).sum()
+        total = sq if total is None else total + sq
+    return total
+
+
 def _squares(model: nn.Module, skip: set[int], fsdp: AxisGroup) -> tuple[torch.Tensor | None, dict]:
     """Sum of squared gradients of replicated params, and of sharded ones per tuple of axes they are
     sharded over (tensor-parallel, and FSDP's dp x cp for DTensor gradients)."""
-    replicated, sharded, seen = None, {}, set(skip)
+    groups: dict[tuple[str, ...], tuple[tuple[AxisGroup, ...], list[torch.Tensor]]] = {}
+    seen = set(skip)
     for module in model.modules():
         names = getattr(module, "sharded_params", ())
         for name, p in module.named_parameters(recurse=False):
             if p.grad is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            sq = local(p.grad).detach().float().pow(2).sum()
             axes = ((fsdp,) if isinstance(p.grad, DTensor) else ()) + ((module.shard_axis,) if name in names else ())
-            if axes:
-                key = tuple(a.name for a in axes)
-                sharded[key] = (axes, sharded[key][1] + sq if key in sharded else sq)
-            else:
-                replicated = sq if replicated is None else replicated + sq
-    return replicated, sharded
+            groups.setdefault(tuple(a.name for a in axes), (axes, []))[1].append(local(p.grad).detach())
+    sums = {key: (axes, _sum_of_squares(grads)) for key, (axes, grads) in groups.items()}
+    replicated = sums.pop((), (None, None))[1]
+    return replicated, sums
 
 
 def grad_norm(model: nn.Module, *, grid: Grid, skip: set[int] = frozenset()) -> torch.Tensor:
@@ -56,7 +66,14 @@ def clip_grad_norm(model: nn.Module, *, grid: Grid, max_norm: float, skip: set[i
     norm = grad_norm(model, grid=grid, skip=skip)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in model.parameters():
-            if p.grad is not None:
-                local(p.grad).mul_(scale)
+        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+        for group in _by_dtype(grads):
+            torch._foreach_mul_(group, scale)  # one fused kernel per dtype, no host sync
     return norm
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
