@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from tests.conftest import ROOT, run_entry
 from train_mp import supervise
 from utils.launch import free_port
@@ -224,5 +226,13 @@ def test_train_py_as_one_process_launches_the_ranks_of_the_layout(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "train_mp: launching 2 ranks on CPU (gloo)" in proc.stdout
     assert "INFO grid: world=2 tp=2 " in proc.stdout, proc.stdout
-    tp_bytes = read_scalars(tmp_path)["comm/tp_bytes"]
-    assert [step for step, _ in tp_bytes] == [1, 2, 3] and all(value > 0 for _, value in tp_bytes)
+    scalars = read_scalars(tmp_path)
+    assert [step for step, _ in scalars["comm/tp_bytes"]] == [1, 2, 3] and all(v > 0 for _, v in scalars["comm/tp_bytes"])
+    # one rank of the tp group read each batch and broadcast it: (x, y) of a per-rank batch
+    from utils.config import load_config
+    from utils.tasks import build_task
+
+    cfg, _, _ = load_config(["parallel=tp2"])
+    x, y = build_task(cfg, load_data=False).example_batch(cfg.trainer.global_batch_size, torch.device("cpu"))
+    assert [v for _, v in scalars["data/shared_bytes"]] == [x.nbytes + y.nbytes] * 3
+    assert "training batches read by one rank of each tp x cp group of 2" in proc.stdout

@@ -161,7 +161,8 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
                                     start_step=trainer.step, num_workers=cfg.trainer.num_workers,
                                     worker_start=cfg.trainer.worker_start,
                                     pin_memory=grid.device.type == "cuda",
-                                    even_val_batches=cfg.parallel.dp_mode == "fsdp")
+                                    even_val_batches=cfg.parallel.dp_mode == "fsdp",
+                                    read_train=grid.axis(Axis.TP, Axis.CP).rank == 0)  # see SharedBatches
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
     log.info(f"grid: {grid.signature}; run.dir: {trainer.run_dir}")
@@ -173,4 +174,6 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     log.info(param_bytes_report(trainer.raw_model, trainer.optimizer))
     if (notice := precision_notice(cfg.precision.mode, grid.device)) is not None:
         log.warning(notice)
-    log.info(f"data: {task.describe()}")
+    share = grid.axis(Axis.TP, Axis.CP)
+    log.info(f"data: {task.describe()}" + (f"; training batches read by one rank of each tp x cp group of "
+                                            f"{share.size} and broadcast to the others" if share.size > 1 else ""))

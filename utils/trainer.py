@@ -18,7 +18,7 @@ from distributed.rng import seed_default_stream
 from distributed.sharded_state import View, checkpoint_view, read_shapes
 from utils.checkpoint import Checkpointer, rng_tensors, set_rng_tensors
 from utils.comm import Axis, Grid
-from utils.data.batching import WORKER_STARTS, Loaders
+from utils.data.batching import WORKER_STARTS, Loaders, SharedBatches
 from utils.errors import require
 from utils.flops import mfu, tflops_per_device
 from utils.logger import Progress, TensorBoard
@@ -99,6 +99,7 @@ class Trainer:
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
         self.flops_per_sample = built.flops_per_sample
         self.skipped, self.skipped_steps, self.consecutive_skips = False, 0, 0  # trainer.nonfinite=skip
+        self.shared_bytes = 0  # bytes of the last training batch this rank read and broadcast to its tp x cp group
         self.stop_requested = self.stop_agreed = False  # a stop signal on this rank / on any rank
         self.watchdog = StepWatchdog(0, run_dir, grid.global_rank)  # off outside fit (e.g. the benchmark)
 
@@ -225,7 +226,7 @@ class Trainer:
                           "(set trainer.resume=never or another run.tag to start over)")
             return 0
         self.log.info(f"training from step {self.step} to {self.tc.max_steps}")
-        batches = iter(self.loaders.train)
+        batches = SharedBatches(self.loaders.train, self.grid.axis(Axis.TP, Axis.CP), self.device)
         self.model.train()
         stop = min(self.tc.max_steps, self.tc.stop_at_step or self.tc.max_steps)
         watchdog = StepWatchdog(self.tc.hang_timeout_s, self.run_dir, self.grid.global_rank)
@@ -255,8 +256,8 @@ class Trainer:
         agreed to stop after it (that agreement's bytes are part of the step's comm figures)."""
         t0 = time.perf_counter()
         self.watchdog.phase("data")
-        x, y = next(batches)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = next(batches)  # on the device; read by one rank of the tp x cp group (SharedBatches)
+        self.shared_bytes = batches.shared_bytes
         t1 = time.perf_counter()
         self.grid.reset_comm_bytes()
         lr = self.current_lr()
@@ -290,7 +291,7 @@ class Trainer:
         """Scalars of the step just taken, at x = steps completed (validation and checkpoints use it too)."""
         step_time = t2 - t0
         values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                  "train/skipped_steps": self.skipped_steps,
+                  "train/skipped_steps": self.skipped_steps, "data/shared_bytes": self.shared_bytes,
                   "perf/step_time_ms": 1e3 * step_time, "perf/data_wait_ms": 1e3 * (t1 - t0),
                   **self.throughput(step_time), "mem/peak_gib": peak_memory_gib(self.device)}
         values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})

@@ -4,6 +4,10 @@ The global batch at step s is a fixed function of (seed, s): epoch e = s // step
 permutation of the training set drawn from seed + e, and step s takes the next `global_batch_size`
 indices of it. A dp rank takes its contiguous 1/dp of them. So the samples a step sees do not depend
 on dp, tp, cp, pp or order, and a resumed run continues from its step with no saved loader state.
+
+The ranks of one tp x cp group train on the same samples: only the group's first rank reads them (its
+loader and workers exist, the others' do not) and `SharedBatches` broadcasts each batch over the group,
+so the file system sees one read per group, not t x c.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from distributed.collectives import broadcast_, broadcast_object, nbytes
+from utils.comm import AxisGroup
 from utils.errors import require
 from utils.preemption import ignore_stop_signals, stop_signals_blocked
 
@@ -59,8 +65,39 @@ def contiguous_part(n: int, rank: int, size: int) -> range:
 
 @dataclass
 class Loaders:
-    train: DataLoader
+    train: DataLoader | None  # None on the ranks that receive their training batches (SharedBatches)
     val: DataLoader | EvenBatches
+
+
+class SharedBatches:
+    """Training batches (x, y) on `device`, read by rank 0 of `axis` (the tp x cp group) and broadcast to the
+    group's other ranks, which have no loader. The first batch's shapes and dtypes are broadcast once; the
+    training batches that follow have the same (a fixed per-rank batch). `shared_bytes`: what the reading
+    rank sent for the last batch (counted on `axis` too), 0 elsewhere."""
+
+    def __init__(self, loader: DataLoader | None, axis: AxisGroup, device: torch.device):
+        assert (loader is not None) == (axis.rank == 0), "only the group's first rank reads"
+        self.batches = iter(loader) if loader is not None else None
+        self.axis, self.device, self.specs, self.shared_bytes = axis, device, None, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.batches is not None:
+            pair = tuple(t.to(self.device, non_blocking=True) for t in next(self.batches))
+            specs = [(tuple(t.shape), t.dtype) for t in pair]
+            assert self.specs in (None, specs), f"training batch {specs} differs from the first one {self.specs}"
+        if self.axis.size == 1:
+            return pair
+        if self.specs is None:
+            self.specs = broadcast_object(specs if self.batches is not None else None, self.axis)
+        if self.batches is None:
+            pair = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.specs)
+        for t in pair:
+            broadcast_(t, self.axis, 0)
+        self.shared_bytes = sum(nbytes(t) for t in pair) if self.axis.rank == 0 else 0
+        return pair
 
 
 class EvenBatches:
@@ -101,8 +138,9 @@ def check_batch(global_batch_size: int, dp: int, grad_accum_steps: int, num_samp
 
 def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: int, dp_rank: int, dp_size: int,
                   seed: int, start_step: int, num_workers: int, pin_memory: bool,
-                  worker_start: str = "forkserver", even_val_batches: bool = False) -> Loaders:
-    """Train loader over GlobalBatchSampler from `start_step`; val loader over this rank's val shard.
+                  worker_start: str = "forkserver", even_val_batches: bool = False, read_train: bool = True) -> Loaders:
+    """Train loader over GlobalBatchSampler from `start_step` (none without `read_train`: the rank receives
+    its batches, see SharedBatches); val loader over this rank's val shard.
 
     `worker_start`: how worker processes start. By the time the loaders start their workers a rank
     runs gloo/NCCL, OpenMP and TensorBoard threads; `fork` copies the process in whatever state those
@@ -123,7 +161,8 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
     if num_workers > 0:
         workers["prefetch_factor"] = 4
     # Own generators: worker seeds never draw from the global RNG, which dropout uses (exact resume)
-    train = DataLoader(train_set, batch_sampler=sampler, generator=torch.Generator().manual_seed(seed), **workers)
+    train = DataLoader(train_set, batch_sampler=sampler, generator=torch.Generator().manual_seed(seed),
+                       **workers) if read_train else None
     val_part = torch.utils.data.Subset(val_set, contiguous_part(len(val_set), dp_rank, dp_size))
     val_workers = min(num_workers, 2)
     val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
