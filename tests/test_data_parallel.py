@@ -56,6 +56,34 @@ def _ddp_checks(rank: int, world_size: int, tp: int) -> None:
     grid = init_grid(ParallelConfig(tp=tp))
     for accumulate in (False, True):
         _check_ddp_step(grid, world_size // tp, accumulate)
+    if tp == 1:
+        _check_buckets_overlap_backward(grid)
+
+
+def _check_buckets_overlap_backward(grid: Grid) -> None:
+    """Gradients are reduced in buckets, each launched as soon as its gradients are ready: several
+    all-reduces start before backward reaches the input (the first layer's gradients come last). Eight
+    0.5 MB layers (fp64), 0.5 MB buckets: one bucket per layer."""
+    import distributed.data_parallel as data_parallel
+
+    events, hook = [], data_parallel._allreduce_mean_hook
+
+    def counted(state, bucket):
+        events.append("bucket")
+        return hook(state, bucket)
+
+    data_parallel._allreduce_mean_hook = counted
+    try:
+        layers = nn.Sequential(*[nn.Linear(256, 256, dtype=torch.float64) for _ in range(8)])
+        model = wrap_data_parallel(layers, grid=grid, bucket_cap_mb=0.5)
+    finally:
+        data_parallel._allreduce_mean_hook = hook
+    for step in range(2):  # DDP's first step reduces one bucket at the end, then it rebuilds them in order
+        events.clear()
+        x = torch.randn(2, 256, dtype=torch.float64, requires_grad=True)
+        x.register_hook(lambda g: events.append("input"))
+        model(x).square().sum().backward()
+    assert events.count("bucket") == 8 and events.index("input") == 7, events  # 7 in flight before the end
 
 
 def _check_ddp_step(grid: Grid, dp: int, accumulate: bool) -> None:
