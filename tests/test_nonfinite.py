@@ -23,7 +23,7 @@ def _one_rank_nan(rank: int, world_size: int, run_dir: str, era5_root: str, poli
                            f"trainer.nonfinite={policy}", "trainer.max_skipped_steps=2")
     hook = trainer.raw_model.head.weight.register_hook(lambda g: torch.full_like(g, math.nan) if rank == 1 else g)
     before = [p.detach().clone() for p in trainer.raw_model.parameters()]
-    batches = iter(trainer.loaders.train)
+    batches = trainer.train_batches()
     loss, norm = trainer.train_step(*next(batches))
     assert trainer.skipped and math.isfinite(loss.item()) and (rank == 1) == math.isnan(norm.item())
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.raw_model.parameters())), "an update happened"

@@ -218,6 +218,10 @@ class Trainer:
         """The learning rate the next optimizer step uses."""
         return self.optimizer.param_groups[0]["lr"]
 
+    def train_batches(self) -> SharedBatches:
+        """The training batches from the step reached, on the device: read by one rank of the tp x cp group."""
+        return SharedBatches(self.loaders.train, self.grid.axis(Axis.TP, Axis.CP), self.device)
+
     def fit(self) -> int:
         """Train to max_steps (or stop_at_step). Returns the exit status: 0, or EXIT_PREEMPTED when a stop
         signal arrived and the checkpoint of the step reached is written (utils/preemption.py)."""
@@ -226,7 +230,7 @@ class Trainer:
                           "(set trainer.resume=never or another run.tag to start over)")
             return 0
         self.log.info(f"training from step {self.step} to {self.tc.max_steps}")
-        batches = SharedBatches(self.loaders.train, self.grid.axis(Axis.TP, Axis.CP), self.device)
+        batches = self.train_batches()
         self.model.train()
         stop = min(self.tc.max_steps, self.tc.stop_at_step or self.tc.max_steps)
         watchdog = StepWatchdog(self.tc.hang_timeout_s, self.run_dir, self.grid.global_rank)
