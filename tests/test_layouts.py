@@ -11,12 +11,16 @@ import shutil
 import subprocess
 import sys
 
+import re
+
 import pytest
 
 from distributed.collectives import ring_bytes
 from distributed.sharded_state import read_shapes
 from tests.conftest import ROOT, read_scalars, run_entry
+from tests.test_plan import report_of
 from utils.config import load_config
+from utils.plan import GPUS, plan_layout
 from utils.tasks import build_task
 
 STEPS = 10
@@ -89,6 +93,16 @@ def dp2_bytes_per_step(*overrides: str) -> int:
     return ring_bytes("all_reduce", 4 * params, 2) + ring_bytes("all_reduce", 4, 2) + ring_bytes("all_reduce", 8, 2)
 
 
+def assert_planned(run_dir, overrides: list[str], world: int) -> None:
+    """The planner (utils/plan.py: the real trainer on a fake group, one shapes-only step) predicts the run's
+    logged comm/<axis>_bytes of every axis and the bytes its rank 0 reports holding, exactly."""
+    plan = plan_layout(overrides, GPUS["cpu"], world)
+    logged = {tag[len("comm/"):-len("_bytes")]: values[0][1] for tag, values in read_scalars(run_dir).items()
+              if tag.startswith("comm/")}
+    assert plan.comm_bytes == logged
+    assert report_of(plan) == re.search(r"this rank holds .*", (run_dir / "train.log").read_text()).group(0)
+
+
 @pytest.mark.parametrize("layout", VIT_LAYOUTS)
 def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5_root):
     reference, tmp = vit_reference
@@ -98,6 +112,8 @@ def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5
     if layout.startswith("dp2"):  # complete and exact: a dp all-reduce per micro-batch would double it
         want = dp2_bytes_per_step(f"data.root={era5_root}")
         assert [v for _, v in scalars["comm/dp_bytes"]] == [want] * STEPS
+    if layout in ("dp2", "cp2dp2"):
+        assert_planned(run_dir, [*VIT, f"data.root={era5_root}", *LAYOUTS[layout]], 2 if layout == "dp2" else 4)
     for axis in ("tp", "cp"):
         if axis in layout:
             assert scalars[f"comm/{axis}_bytes"][0][1] > 0
@@ -152,6 +168,10 @@ def vit_tp2dp2_step5(vit_reference, era5_root):
     _, tmp = vit_reference
     return run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2",
                       "trainer.stop_at_step=5")
+
+
+def test_planner_predicts_the_tp2dp2_run(vit_tp2dp2_step5, era5_root):
+    assert_planned(vit_tp2dp2_step5, [*VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2"], 4)
 
 
 def test_checkpoint_holds_the_single_process_shapes(vit_tp2dp2_step5, era5_root):
