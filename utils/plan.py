@@ -154,10 +154,10 @@ def world_of(overrides: list[str]) -> int:
     """Ranks the overrides' layout needs (as train_mp.py counts them), validated like a launch."""
     from utils.comm import check_grid
     from utils.config import load_config
-    from utils.launch import LaunchEnv
+    from utils.launch import LaunchEnv, ranks_needed
 
     par = load_config(overrides)[0].parallel
-    world = par.tp * par.cp * par.pp * max(par.dp, 1)
+    world = ranks_needed(par)
     check_grid(par, LaunchEnv(world_size=world))
     return world
 
