@@ -239,8 +239,8 @@ class Trainer:
             notice = self.progress.first_step_notice(self.step + 1)
             while self.step < stop:
                 stopping = self.fit_step(batches, request)
-                if notice is not None:
-                    notice = notice.cancel()
+                if notice is not None:  # the first step ended: no "still running" line any more
+                    notice.cancel()
                 if stopping:
                     self.watchdog.phase("checkpoint")
                     path = self.save_checkpoint(background=False)
