@@ -16,6 +16,7 @@ from tests.dist_utils import run_ranks
 from tests.test_precision import make_trainer
 from utils.config import load_config
 from utils.errors import ConfigError
+from utils.step_results import StepResult
 
 
 def _one_rank_nan(rank: int, world_size: int, run_dir: str, era5_root: str, policy: str) -> None:
@@ -27,16 +28,17 @@ def _one_rank_nan(rank: int, world_size: int, run_dir: str, era5_root: str, poli
     loss, norm = trainer.train_step(*next(batches))
     assert trainer.skipped and math.isfinite(loss.item()) and (rank == 1) == math.isnan(norm.item())
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.raw_model.parameters())), "an update happened"
-    trainer.step += 1
+    assert all(int(s["step"]) == 0 for s in trainer.optimizer.state.values()), "Adam counted a skipped step"
+    result = StepResult(1, 1e-3, 0.0, 0.0, loss=loss.item(), grad_norm=norm.item(), bad=True)
     if policy == "stop":
         with pytest.raises(ConfigError, match=r"non-finite .* at step 1 \(trainer.nonfinite\)"):
-            trainer.apply_nonfinite_policy(loss.item(), norm.item())
+            trainer.apply_nonfinite_policy(result)
         return
     for expected in (1, 2):  # counted, then stopped after max_skipped_steps=2 in a row
-        trainer.apply_nonfinite_policy(loss.item(), norm.item())
+        trainer.apply_nonfinite_policy(result)
         assert trainer.skipped_steps == expected
     with pytest.raises(ConfigError, match="trainer.max_skipped_steps"):
-        trainer.apply_nonfinite_policy(loss.item(), norm.item())
+        trainer.apply_nonfinite_policy(result)
     hook.remove()
     trainer.train_step(*next(batches))
     assert not trainer.skipped and not all(torch.equal(a, p) for a, p in zip(before, trainer.raw_model.parameters()))

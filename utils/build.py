@@ -140,7 +140,7 @@ def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: P
     """Model, optimizer, schedule, scaler and checkpointer: a trainer that can take steps (no data yet)."""
     configure_matmul(cfg.precision.mode)
     built = build_model(cfg, task, grid)
-    optimizer = build_optimizer(cfg.optim, param_groups(built.raw), grid.device)
+    optimizer = build_optimizer(cfg.optim, param_groups(built.raw))
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
     scaler = grad_scaler(cfg.precision.mode, grid.device, grid.world)
     background = background_group(grid) if cfg.trainer.ckpt_async else None

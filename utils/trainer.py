@@ -24,6 +24,7 @@ from utils.flops import mfu, tflops_per_device
 from utils.logger import Progress, TensorBoard
 from utils.precision import autocast
 from utils.preemption import EXIT_PREEMPTED, StopRequest
+from utils.step_results import StepResult, StepResults
 from utils.watchdog import StepWatchdog
 
 
@@ -98,9 +99,10 @@ class Trainer:
         self.tb = TensorBoard(run_dir, grid.is_main)
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
         self.flops_per_sample = built.flops_per_sample
-        self.skipped, self.skipped_steps, self.consecutive_skips = False, 0, 0  # trainer.nonfinite=skip
-        self.shared_bytes = 0  # bytes of the last training batch this rank read and broadcast to its tp x cp group
-        self.stop_requested = self.stop_agreed = False  # a stop signal on this rank / on any rank
+        self.skipped_steps, self.consecutive_skips = 0, 0  # trainer.nonfinite=skip
+        self.stop_requested = False  # a stop signal on this rank when the next step begins
+        self.flags = torch.zeros(2, device=self.device)  # the last step's agreed [non-finite, stop] (0/1, device)
+        self.results = StepResults(self.device)  # step scalars on their way to the host (utils/step_results.py)
         self.watchdog = StepWatchdog(0, run_dir, grid.global_rank)  # off outside fit (e.g. the benchmark)
 
     def save_checkpoint(self, background: bool | None = None) -> Path:
@@ -158,11 +160,12 @@ class Trainer:
         self.tb = TensorBoard(self.run_dir, self.grid.is_main, self.step)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (global-batch mean loss, global gradient norm); the lr used is `self.current_lr()`.
+        """Returns (global-batch mean loss, global gradient norm) as device tensors, read by nothing here:
+        the step queues its work and never waits for the device (fused Adam; see `step_optimizer`).
 
         Without a loss scaler, a non-finite loss or gradient norm on any rank skips the update on every
         rank (`self.skipped` says so); the fp16 scaler keeps its own skip logic. `self.stop_agreed`: some
-        rank had `stop_requested` (a stop signal) when the step began.
+        rank had `stop_requested` (a stop signal) when the step began. The lr used is `self.current_lr()`.
         """
         if self.pipeline is not None:
             total = self.pipeline.train_step(inputs, targets, self.tc.grad_accum_steps, self.scaler.scale)
@@ -173,9 +176,8 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_grad_norm()
         loss = mean_over(total, self.dp)
-        self.agree_on_flags(loss, grad_norm)
-        if not self.skipped:
-            self.scaler.step(self.optimizer)
+        self.flags = self.agree_on_flags(loss, grad_norm)
+        self.step_optimizer(self.flags[0])
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -193,15 +195,39 @@ class Trainer:
             total += loss.detach()
         return total
 
-    def agree_on_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """One max-reduction over all ranks of [non-finite loss or grad norm, stop requested], so every rank
-        takes the same branch: a rank's replicated gradients are its own (one NaN there must not make that
-        rank skip while the others step), and ranks may see a stop signal at different steps."""
+    def agree_on_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """[non-finite loss or grad norm, stop requested] max-reduced over all ranks (a device tensor), so
+        every rank takes the same branch: a rank's replicated gradients are its own (one NaN there must not
+        make that rank skip while the others step), and ranks may see a stop signal at different steps."""
         bad = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float()
-        flags = torch.stack([bad, torch.tensor(float(self.stop_requested), device=self.device)])
-        bad_any, stop_any = all_reduce_(flags, self.grid.world, "max").tolist()
-        self.skipped = bad_any > 0 and not self.scaler.is_enabled()
-        self.stop_agreed = stop_any > 0
+        stop = torch.full((), float(self.stop_requested), device=self.device)  # a fill, not a host copy
+        return all_reduce_(torch.stack([bad, stop]), self.grid.world, "max")
+
+    def step_optimizer(self, bad: torch.Tensor) -> None:
+        """The update, skipped on every rank when `bad` (0/1 on the device) is set, without reading it: fused
+        Adam takes it as `found_inf` (the attribute protocol torch's GradScaler uses) and then leaves the
+        weights, moments and step count as they were. foreach Adam (optim.fused=false) has no such input
+        and reads the flag (one host sync). The fp16 scaler keeps its own per-rank skip logic."""
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+        elif self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf, self.optimizer.grad_scale = bad, None
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf, self.optimizer.grad_scale
+        elif not bad.item():
+            self.optimizer.step()
+
+    @property
+    def skipped(self) -> bool:
+        """Whether every rank skipped the last step's update (reads the device)."""
+        return bool(self.flags[0].item()) and not self.scaler.is_enabled()
+
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether some rank had a stop signal when the last step began (reads the device)."""
+        return bool(self.flags[1].item())
 
     def finish_grads(self) -> None:
         """Reduce gradients that are partial sums over model-parallel axes (none without tp/cp), and
@@ -241,7 +267,10 @@ class Trainer:
                 stopping = self.fit_step(batches, request)
                 if notice is not None:  # the first step ended: no "still running" line any more
                     notice.cancel()
+                if not stopping and self.at_boundary(stop):  # validation/checkpoint: every step read first
+                    stopping = self.read_results(flush=True)
                 if stopping:
+                    self.read_results(flush=True)
                     self.watchdog.phase("checkpoint")
                     path = self.save_checkpoint(background=False)
                     self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
@@ -256,55 +285,65 @@ class Trainer:
         return 0
 
     def fit_step(self, batches, request: StopRequest) -> bool:
-        """One optimizer step on the next global batch, timed and logged; returns whether every rank
-        agreed to stop after it (that agreement's bytes are part of the step's comm figures)."""
+        """Queue one optimizer step on the next global batch, then log the steps whose results are due
+        (utils/step_results.py); returns whether those say every rank agreed to stop."""
         t0 = time.perf_counter()
         self.watchdog.phase("data")
         x, y = next(batches)  # on the device; read by one rank of the tp x cp group (SharedBatches)
-        self.shared_bytes = batches.shared_bytes
-        t1 = time.perf_counter()
+        result = StepResult(self.step + 1, self.current_lr(), t0, time.perf_counter() - t0,
+                            shared_bytes=batches.shared_bytes)
         self.grid.reset_comm_bytes()
-        lr = self.current_lr()
         self.stop_requested = request.requested
         self.watchdog.phase("forward/backward")
         loss, grad_norm = self.train_step(x, y)
-        loss_value, norm_value = loss.item(), grad_norm.item()
         self.step += 1
-        self.apply_nonfinite_policy(loss_value, norm_value)
-        self.log_step(loss_value, norm_value, lr, t0, t1, time.perf_counter())
-        return self.stop_agreed
+        result.comm_bytes = self.grid.comm_bytes()  # the agreement's bytes are part of the step's figures
+        self.results.push(result, torch.stack([loss.float(), grad_norm.float(), *self.flags]))
+        return self.read_results()
 
-    def apply_nonfinite_policy(self, loss: float, grad_norm: float) -> None:
+    def read_results(self, flush: bool = False) -> bool:
+        """Apply the non-finite policy to and log every step whose results are due; whether one says stop."""
+        stop = False
+        for result in self.results.pop(flush):
+            self.apply_nonfinite_policy(result)
+            self.log_step(result)
+            stop |= result.stop
+        return stop
+
+    def at_boundary(self, stop: int) -> bool:
+        """Whether validation or a checkpoint follows the step just taken."""
+        every = [n for n in (self.tc.val_every, self.tc.ckpt_every) if n]
+        return self.step in (stop, self.tc.max_steps) or any(self.step % n == 0 for n in every)
+
+    def apply_nonfinite_policy(self, result: StepResult) -> None:
         """trainer.nonfinite for a step whose update every rank skipped: stop with one line, or count it
         (train/skipped_steps) and stop after max_skipped_steps in a row."""
-        if not self.skipped:
+        if not result.bad or self.scaler.is_enabled():  # the fp16 scaler skips and counts on its own
             self.consecutive_skips = 0
             return
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        what = f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {self.step}"
+        what = f"non-finite loss ({result.loss}) or gradient norm ({result.grad_norm}) at step {result.step}"
         fix = "lower optim.lr, set optim.grad_clip, check the data"
         require(self.tc.nonfinite == "skip", what, "trainer.nonfinite", f"{fix}, or set trainer.nonfinite=skip")
         require(self.consecutive_skips <= self.tc.max_skipped_steps,
                 f"{self.consecutive_skips} consecutive steps skipped, the last with a {what}",
                 "trainer.max_skipped_steps", fix)
-        self.log.warning(f"skipped the update of step {self.step}: {what}")
+        self.log.warning(f"skipped the update of step {result.step}: {what}")
 
-
-    def log_step(self, loss: float, grad_norm: float, lr: float, t0: float, t1: float, t2: float) -> None:
-        """Scalars of the step just taken, at x = steps completed (validation and checkpoints use it too)."""
-        step_time = t2 - t0
-        values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                  "train/skipped_steps": self.skipped_steps, "data/shared_bytes": self.shared_bytes,
-                  "perf/step_time_ms": 1e3 * step_time, "perf/data_wait_ms": 1e3 * (t1 - t0),
-                  **self.throughput(step_time), "mem/peak_gib": peak_memory_gib(self.device)}
-        values.update({f"comm/{axis}_bytes": float(n) for axis, n in self.grid.comm_bytes().items()})
+    def log_step(self, result: StepResult) -> None:
+        """Scalars of a step taken, at x = steps completed (validation and checkpoints use it too)."""
+        values = {"train/loss": result.loss, "train/lr": result.lr, "train/grad_norm": result.grad_norm,
+                  "train/skipped_steps": self.skipped_steps, "data/shared_bytes": result.shared_bytes,
+                  "perf/step_time_ms": 1e3 * result.step_time_s, "perf/data_wait_ms": 1e3 * result.data_wait_s,
+                  **self.throughput(result.step_time_s), "mem/peak_gib": peak_memory_gib(self.device)}
+        values.update({f"comm/{axis}_bytes": float(n) for axis, n in result.comm_bytes.items()})
         if self.pipeline is not None:  # measured idle fraction of the schedule's steps, and the theory's
             values["perf/pp_bubble"] = self.pipeline.bubble
             if (formula := self.pipeline.plan.bubble()) is not None:
                 values["perf/pp_bubble_formula"] = formula
-        self.tb.scalars(values, self.step)
-        self.progress.update(self.step, loss, values["perf/samples_per_sec"], lr)
+        self.tb.scalars(values, result.step)
+        self.progress.update(result.step, result.loss, values["perf/samples_per_sec"], result.lr)
 
     def throughput(self, step_time: float) -> dict[str, float]:
         """perf/* figures of one optimizer step over the global batch taking `step_time` seconds."""
