@@ -1,0 +1,147 @@
+"""utils/compare.py on real runs: a one-process run and a two-rank data-parallel run of train.py's tiny ViT.
+
+The table's values are checked against the runs' TensorBoard events as tests.conftest.read_scalars reads
+them, the CSV against the table, the figures as PNG files; then globs, bad arguments and a resumed run's
+several event files.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.conftest import ROOT, read_scalars, run_entry
+from utils.compare import layout_of, main, read_curves
+
+TINY = ["trainer.max_steps=4", "trainer.val_every=2", "trainer.log_every=2", "trainer.ckpt_every=0",
+        "trainer.num_workers=1", "trainer.worker_start=fork", "trainer.global_batch_size=8"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIGURES = ["loss_vs_step.png", "loss_vs_time.png", "throughput.png"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, era5_root):
+    """{'single': run dir (1 rank), 'dp2': run dir (2 ranks, parallel.dp derived: 0 in its config.yaml)}."""
+    root = tmp_path_factory.mktemp("runs")
+    commands = {"single": ("train.py",), "dp2": ("train_mp.py", "--nproc", "2", "parallel=dp")}
+    # One OpenMP thread per process: on 2 busy cores the default threads spin against each other (a
+    # one-process run took 21 s instead of 8 s here). Both runs at once: their start-up overlaps.
+    with ThreadPoolExecutor(2) as pool:
+        procs = {name: pool.submit(run_entry, *command, f"data.root={era5_root}", f"run.dir={root / name}",
+                                   *TINY, env={"OMP_NUM_THREADS": "1"})
+                 for name, command in commands.items()}
+    for proc in (future.result() for future in procs.values()):
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {name: root / name for name in commands}
+
+
+def table_rows(text: str) -> list[dict[str, str]]:
+    """The markdown table of compare's output as {header: cell} per row."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    headers = [h.strip() for h in lines[0].strip("|").split("|")]
+    return [dict(zip(headers, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+
+
+def test_table_values_are_those_of_the_events(runs, capsys):
+    assert main([str(runs["single"]), str(runs["dp2"])]) == 0
+    rows = {row["run"]: row for row in table_rows(capsys.readouterr().out)}
+    assert list(rows) == ["single", "dp2"]  # the order of the arguments
+    assert (rows["single"]["layout"], rows["single"]["ranks"]) == ("single", "1")
+    assert (rows["dp2"]["layout"], rows["dp2"]["ranks"]) == ("dp2", "2")  # dp=0 in config.yaml: from train.log
+    for name, run_dir in runs.items():
+        scalars, row = read_scalars(run_dir), rows[name]
+        losses = [v for _, v in scalars["train/loss"]]
+        assert row["steps"] == "4" and row["precision"] == "fp32"
+        assert float(row["train loss"]) == pytest.approx(losses[-1], rel=1e-4)
+        assert float(row["best train loss"]) == pytest.approx(min(losses), rel=1e-4)
+        assert float(row["val loss"]) == pytest.approx(scalars["val/loss"][-1][1], rel=1e-4)
+        assert float(row["val/rmse/u10m"]) == pytest.approx(scalars["val/rmse/u10m"][-1][1], rel=1e-3)
+        samples = statistics.median(v for _, v in scalars["perf/samples_per_sec"])
+        assert float(row["samples/s"]) == pytest.approx(samples, abs=0.051)
+        assert row["MFU"] == ""  # CPU: no known peak
+        assert "val/ppl" not in row  # no language model among these runs
+    assert rows["single"]["dp bytes/step"] == "" and rows["dp2"]["dp bytes/step"].endswith("MiB")
+
+
+def test_out_writes_the_table_csv_and_figures(runs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main([str(runs["single"]), str(runs["dp2"]), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip() in (out / "compare.md").read_text()
+    with (out / "compare.csv").open() as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["run"] for r in csv_rows] == [r["run"] for r in table_rows(printed)] == ["single", "dp2"]
+    for row, run_dir in zip(csv_rows, runs.values()):  # full values: equal to the events' own
+        scalars = read_scalars(run_dir)
+        losses = [v for _, v in scalars["train/loss"]]
+        assert (float(row["train_loss_final"]), float(row["train_loss_best"])) == (losses[-1], min(losses))
+        assert float(row["val_loss_best"]) == min(v for _, v in scalars["val/loss"])
+        assert float(row["samples_per_sec"]) == statistics.median(v for _, v in scalars["perf/samples_per_sec"])
+        assert float(row["peak_mem_gib"]) == max(v for _, v in scalars["mem/peak_gib"])
+        assert int(row["steps"]) == scalars["train/loss"][-1][0] and row["mfu"] == ""
+    assert [r["ranks"] for r in csv_rows] == ["1", "2"]
+    assert csv_rows[0]["comm_dp_bytes"] == "" and float(csv_rows[1]["comm_dp_bytes"]) == statistics.median(
+        v for _, v in read_scalars(runs["dp2"])["comm/dp_bytes"])
+    for name in [*FIGURES, "scaling.png"]:  # the ranks differ: the scaling figure too
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
+        assert f"]({name})" in (out / "compare.md").read_text()
+
+    assert main([str(runs["single"]), "--out", str(tmp_path / "one")]) == 0
+    assert sorted(p.name for p in (tmp_path / "one").glob("*.png")) == sorted(FIGURES)  # one rank count
+
+
+def test_a_glob_expands_sorted(runs, capsys):
+    assert main([str(runs["single"].parent / "*")]) == 0
+    assert [row["run"] for row in table_rows(capsys.readouterr().out)] == ["dp2", "single"]
+
+
+@pytest.mark.parametrize("bad", ["nothing-*", "missing_dir", "not_a_run", "a_file"])
+def test_a_bad_argument_is_one_line_and_status_2_before_any_work(bad, runs, tmp_path, capsys):
+    (tmp_path / "not_a_run").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(runs["single"]), str(tmp_path / bad), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and bad in lines[0], captured.err
+    assert "give" in lines[0] and not out.exists()  # the fix, and nothing written
+
+
+def test_help_answers_without_loading_the_heavy_modules():
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "utils.compare", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and "RUN_DIR" in proc.stdout and "--out" in proc.stdout
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
+    assert not imported & {"torch", "tensorboard", "matplotlib", "omegaconf", "numpy"}, imported
+
+
+def test_layout_from_config_and_derived_dp_from_the_log(tmp_path):
+    """Explicit sizes give the layout in grid order; parallel.dp=0 takes the last launch's dp from train.log."""
+    parallel = {"tp": 2, "cp": 1, "pp": 1, "dp": 2, "order": "tp-cp-dp-pp"}
+    assert layout_of(tmp_path, parallel) == ("tp2 x dp2", 4)
+    assert layout_of(tmp_path, {**parallel, "order": "dp-tp-cp-pp"}) == ("dp2 x tp2", 4)
+    (tmp_path / "train.log").write_text("... INFO grid: world=4 tp=2 cp=1 dp=2 pp=1 order=tp-cp-dp-pp; run.dir: x\n"
+                                        "... INFO grid: world=8 tp=2 cp=1 dp=4 pp=1 order=tp-cp-dp-pp; run.dir: x\n")
+    assert layout_of(tmp_path, {**parallel, "dp": 0}) == ("tp2 x dp4", 8)
+
+
+def test_a_resumed_run_keeps_the_last_value_of_each_step(tmp_path):
+    """Two launches into one directory (two event files), the second redoing steps 3-4 after a crash."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for first, values, purge in ((1, [1.0, 0.9, 0.8, 0.7], None), (3, [0.5, 0.4, 0.3], 3)):
+        writer = SummaryWriter(log_dir=str(tmp_path), purge_step=purge)
+        for step, value in enumerate(values, start=first):
+            writer.add_scalar("train/loss", value, step)
+        writer.close()
+    curve = read_curves(tmp_path)["train/loss"]
+    assert [(step, value) for step, _, value in curve] == [(1, 1.0), (2, pytest.approx(0.9)), (3, 0.5),
+                                                           (4, pytest.approx(0.4)), (5, pytest.approx(0.3))]
+    assert 0 <= curve[0][1] <= curve[-1][1] < 60  # seconds since the first event
