@@ -46,9 +46,23 @@ except ImportError:  # pragma: no cover - a torch without the hook
     pass
 
 
+_count_compiled = True  # whether graphs compiled from now on count (see `count_compiled`)
+
+
+def count_compiled(enabled: bool) -> None:
+    """Whether compiled graphs count their collectives. The custom op costs tens of microseconds per call
+    inside a graph (its effect token keeps it ordered), so the trainer counts only the steps whose
+    comm/<axis>_bytes it logs. torch.compile guards on this flag: each setting gets its own graph,
+    compiled once, and switching between them costs a guard check. Eager code always counts (a plain
+    add of a few microseconds)."""
+    global _count_compiled
+    _count_compiled = enabled
+
+
 def record(axis: AxisGroup, num_bytes: int) -> None:
     """Add `num_bytes` (an int, or a SymInt under dynamic shapes) to `axis`'s counter; traceable."""
     if torch.compiler.is_compiling():
-        _add_bytes(axis.counter, num_bytes)
+        if _count_compiled:
+            _add_bytes(axis.counter, num_bytes)
     else:
         axis.counter.data.add_(num_bytes)  # eager: a plain add, no custom-op dispatch per call

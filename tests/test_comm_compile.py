@@ -11,7 +11,9 @@ compiled backward counts too), and the second step compiles nothing new. Two blo
 vocab-parallel loss between the compiled forward and backward, catch a counter whose backward
 increment is computed from a value saved at forward time. (b) also checks that the block traces
 into one graph without a graph break, and that a new batch size (recompiled with a dynamic batch:
-byte counts are SymInts) still counts what eager counts. (c) Checkpointed blocks compiled with
+byte counts are SymInts) still counts what eager counts, and that `count_compiled(False)` (the
+trainer's setting on steps that do not log comm bytes) takes the counting out of the compiled blocks
+without recompiling on every switch. (c) Checkpointed blocks compiled with
 aot_eager (the compiled backward saves the counter with a version check): they run, the forward
 counts exactly, and the total lies between the step without recomputation and the eager
 checkpointed step, which counts every recomputed forward collective (the partitioner recomputes
@@ -27,6 +29,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from distributed.block_wrappers import wrap_blocks
+from distributed.counting import count_compiled
 from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from tests.dist_utils import run_ranks
@@ -87,6 +90,24 @@ def check_aot_eager_blocks(grid: Grid) -> None:
     assert step_bytes(model, grid) == want
     assert counter.frame_count == frames, "the second step recompiled"
     assert step_bytes(model, grid, BATCH + 1) == want_new_batch
+    check_counting_switch(model, grid, counter, want)
+
+
+def check_counting_switch(model: GPT, grid: Grid, counter: CompileCounterWithBackend, want: tuple[int, int]) -> None:
+    """count_compiled(False): the compiled blocks count nothing (only the eager embedding and loss do),
+    each setting compiles once, and switching back counts exactly again."""
+    try:
+        count_compiled(False)
+        off = step_bytes(model, grid)
+        assert off[1] < want[1] and off[0] < want[0], (off, want)
+        frames = counter.frame_count
+        count_compiled(True)
+        assert step_bytes(model, grid) == want
+        count_compiled(False)
+        assert step_bytes(model, grid) == off
+        assert counter.frame_count == frames, "switching the counting back and forth recompiled"
+    finally:
+        count_compiled(True)
 
 
 def check_checkpointed_blocks(grid: Grid) -> None:

@@ -58,8 +58,12 @@ class Progress:
             sys.stdout.flush()
             if step == self.max_steps:
                 sys.stdout.write("\n")
-        if (step - 1) % self.log_every == 0 or step == self.max_steps:
+        if self.is_log_step(step):
             (logging.getLogger("dlscale.file") if self.live else self.log).info(text)
+
+    def is_log_step(self, step: int) -> bool:
+        """Whether step `step` (counted from 1) gets a log line: the first of every log_every, and the last."""
+        return (step - 1) % self.log_every == 0 or step == self.max_steps
 
     def message(self, text: str) -> None:
         """A log line that does not collide with the live status line."""

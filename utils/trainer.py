@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from distributed.collectives import all_reduce_, mean_over
+from distributed.counting import count_compiled
 from distributed.data_parallel import no_sync, sync_partial_grads
 from distributed.grad_norm import clip_grad_norm
 from distributed.rng import seed_default_stream
@@ -276,11 +277,13 @@ class Trainer:
                     self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
                                           f"{EXIT_PREEMPTED} (run the same command again to continue)")
                     self.tb.close()
+                    count_compiled(True)
                     return EXIT_PREEMPTED
                 self.maybe_validate_and_save(stop)
                 self.background_save_done(wait=False)
             self.watchdog.phase("checkpoint")
             self.background_save_done(wait=True)
+        count_compiled(True)
         self.tb.close()
         return 0
 
@@ -293,11 +296,15 @@ class Trainer:
         result = StepResult(self.step + 1, self.current_lr(), t0, time.perf_counter() - t0,
                             shared_bytes=batches.shared_bytes)
         self.grid.reset_comm_bytes()
+        # compiled graphs count bytes only on steps with a log line (distributed/counting.py); eager always
+        counted = not self.cfg.precision.compile or self.progress.is_log_step(result.step)
+        count_compiled(counted)
         self.stop_requested = request.requested
         self.watchdog.phase("forward/backward")
         loss, grad_norm = self.train_step(x, y)
         self.step += 1
-        result.comm_bytes = self.grid.comm_bytes()  # the agreement's bytes are part of the step's figures
+        if counted:  # the agreement's bytes are part of the step's figures
+            result.comm_bytes = self.grid.comm_bytes()
         self.results.push(result, torch.stack([loss.float(), grad_norm.float(), *self.flags]))
         return self.read_results()
 
