@@ -7,12 +7,19 @@ TFLOP/s per device, MFU, peak memory, the activation memory this rank keeps for 
 bytes of the tensors autograd holds during one step, weights excluded: what tp, cp, activation
 checkpointing and the pipeline schedule shrink), with device and date; under pipeline parallelism a
 second line gives the measured bubble next to the formula. Under torchrun every rank prints its row.
+
+`--seed-dir PATH` (a checkout of NERSC/sc24-dl-tutorial) adds a row for the tutorial's own ViT at the
+same shape, precision, compile setting, Adam kernel and batch, timed the same way in its own
+interpreter (utils/seed_step.py); its TFLOP/s and MFU use this project's FLOP model of the same shape.
+The shape must allow it: a ViT with mlp_ratio 4 on one rank.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +31,7 @@ import torch
 from utils.build import build_trainer
 from utils.comm import Axis, destroy_grid, init_grid
 from utils.config import load_config
-from utils.errors import ConfigError, exit_bad_input
+from utils.errors import ConfigError, exit_bad_input, require
 from utils.flops import device_name
 from utils.tasks import build_task
 from utils.trainer import peak_memory_gib
@@ -34,19 +41,26 @@ HEADER = ("| date | device | model | precision | compile | layout | global batch
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def parse_counts(argv: list[str]) -> tuple[int, int, list[str]]:
-    counts, rest = {"--warmup": 5, "--steps": 20}, []
+def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
+    """({'--warmup': int, '--steps': int, '--seed-dir': Path | None}, the config overrides)."""
+    options, rest = {"--warmup": 5, "--steps": 20, "--seed-dir": None}, []
     it = iter(argv)
     for arg in it:
         key, _, value = arg.partition("=")
-        if key in counts:
-            value = value or next(it, "")
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"bad {key} value '{value}'", key, "give a positive number of steps")
-            counts[key] = int(value)
-        else:
+        if key not in options:
             rest.append(arg)
-    return counts["--warmup"], counts["--steps"], rest
+            continue
+        value = value or next(it, "")
+        if key == "--seed-dir":
+            options[key] = Path(value)
+            require((Path(value) / "networks" / "vit.py").is_file() and (Path(value) / "utils" / "loss.py").is_file(),
+                    f"'{value}' is not a checkout of the NERSC tutorial (no networks/vit.py, utils/loss.py)",
+                    key, "git clone https://github.com/NERSC/sc24-dl-tutorial and give its path")
+        else:
+            require(value.isdigit() and int(value) >= 1, f"bad {key} value '{value}'", key,
+                    "give a positive number of steps")
+            options[key] = int(value)
+    return options, rest
 
 
 def synchronize(device: torch.device) -> None:
@@ -123,16 +137,56 @@ def saved_for_backward_bytes(trainer, x: torch.Tensor, y: torch.Tensor, params=N
     return peak
 
 
+def seed_spec(cfg, trainer, warmup: int, steps: int) -> dict:
+    """What utils/seed_step.py needs to time the tutorial's ViT at this run's shape."""
+    x, y = trainer.task.example_batch(1, torch.device("cpu"))
+    m = cfg.model
+    return {"img_size": list(x.shape[2:]), "in_channels": x.shape[1], "out_channels": y.shape[1],
+            "patch_size": m.patch_size, "embed_dim": m.embed_dim, "depth": m.depth, "num_heads": m.num_heads,
+            "batch": cfg.trainer.global_batch_size, "precision": cfg.precision.mode, "compile": cfg.precision.compile,
+            "fused": cfg.optim.fused, "device": str(trainer.device), "warmup": warmup, "steps": steps}
+
+
+def seed_row(seed_dir: Path, cfg, trainer, warmup: int, steps: int) -> str:
+    """The table row of the tutorial's ViT at this run's shape (utils/seed_step.py, its own interpreter)."""
+    script = Path(__file__).with_name("seed_step.py")
+    proc = subprocess.run([sys.executable, str(script), str(seed_dir), json.dumps(seed_spec(cfg, trainer, warmup, steps))],
+                          capture_output=True, text=True)
+    require(proc.returncode == 0, f"the NERSC tutorial's ViT failed: {proc.stderr.strip().splitlines()[-1:]}",
+            "--seed-dir", "check the checkout (python utils/seed_step.py runs it alone)")
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    commit = subprocess.run(["git", "-C", str(seed_dir), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    name = f"NERSC tutorial ViT{' @' + commit.stdout.strip() if commit.returncode == 0 else ''}"
+    perf = trainer.throughput(measured["seconds"])
+    return row(cfg, trainer, name, perf, measured["peak_gib"], "n/a")
+
+
+def row(cfg, trainer, model: str, perf: dict, peak_gib: float, saved: str) -> str:
+    utilization = perf.get("perf/mfu")
+    return (f"| {datetime.date.today()} | {device_name(trainer.device)} | {model} | {cfg.precision.mode} "
+            f"| {cfg.precision.compile} | {trainer.grid.name} | {cfg.trainer.global_batch_size} "
+            f"| {perf['perf/samples_per_sec']:.1f} | {perf['perf/tokens_per_sec']:.0f} "
+            f"| {perf['perf/tflops_per_sec']:.1f} "
+            f"| {'n/a' if utilization is None else f'{100 * utilization:.1f}%'} | {peak_gib:.2f} | {saved} |")
+
+
 def run(argv: list[str]) -> str:
-    warmup, steps, argv = parse_counts(argv)
+    options, argv = parse_options(argv)
+    warmup, steps, seed_dir = options["--warmup"], options["--steps"], options["--seed-dir"]
     cfg, choices, _ = load_config(argv)
+    if seed_dir is not None:
+        require(cfg.model.arch == "vit" and cfg.model.mlp_ratio == 4, "the NERSC tutorial has only a ViT with "
+                "mlp_ratio 4", "--seed-dir", "benchmark a model=vit_* with model.mlp_ratio=4, or drop --seed-dir")
     grid = init_grid(cfg.parallel)
+    require(seed_dir is None or grid.world_size == 1, f"the tutorial's ViT is timed on one rank, not {grid.world_size}",
+            "--seed-dir", "benchmark parallel=single (one process), or drop --seed-dir")
     task = build_task(cfg, load_data=False)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(cfg, task, grid, logging.getLogger("dlscale"), Path(tmp))
         seconds, bubbles = time_steps(trainer, warmup, steps)
         batch = trainer.tc.global_batch_size // trainer.grid.size(Axis.DP)
         saved = saved_for_backward_bytes(trainer, *trainer.task.example_batch(batch, grid.device))
+    peak = peak_memory_gib(grid.device)
     perf = trainer.throughput(seconds)
     pipeline = ""
     if trainer.pipeline is not None:
@@ -141,13 +195,8 @@ def run(argv: list[str]) -> str:
                     f"{plan.stages_of(grid.rank(Axis.PP))}): p={plan.pp}, {plan.stages_per_rank} stage(s) per rank, "
                     f"m={plan.microbatches}: bubble measured {sum(bubbles) / len(bubbles):.3f} "
                     f"(mean over pp ranks and timed steps); {plan.bubble_text()}")
-    utilization = perf.get("perf/mfu")
-    return (f"| {datetime.date.today()} | {device_name(grid.device)} | {choices['model']} | {cfg.precision.mode} "
-            f"| {cfg.precision.compile} | {grid.name} | {cfg.trainer.global_batch_size} "
-            f"| {perf['perf/samples_per_sec']:.1f} | {perf['perf/tokens_per_sec']:.0f} "
-            f"| {perf['perf/tflops_per_sec']:.1f} "
-            f"| {'n/a' if utilization is None else f'{100 * utilization:.1f}%'} | {peak_memory_gib(grid.device):.2f} "
-            f"| {saved / 2**20:.1f} |" + pipeline)
+    ours = row(cfg, trainer, choices["model"], perf, peak, f"{saved / 2**20:.1f}") + pipeline
+    return ours if seed_dir is None else ours + "\n" + seed_row(seed_dir, cfg, trainer, warmup, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
