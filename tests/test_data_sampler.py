@@ -4,7 +4,7 @@ import pytest
 
 from utils.data.batching import GlobalBatchSampler, check_batch, contiguous_part
 from utils.errors import ConfigError
-from utils.trainer import TrainerConfig
+from utils.trainer_config import TrainerConfig
 
 
 def take(sampler, n):

@@ -28,7 +28,7 @@ from utils.data.wikitext import WikiTextConfig
 from utils.errors import ConfigError, require
 from utils.optim import OptimConfig
 from utils.precision import PrecisionConfig
-from utils.trainer import TrainerConfig
+from utils.trainer_config import TrainerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")

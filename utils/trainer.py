@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from distributed.collectives import all_reduce_, mean_over
 from distributed.counting import count_compiled
@@ -19,58 +19,15 @@ from distributed.rng import seed_default_stream
 from distributed.sharded_state import View, checkpoint_view, read_shapes
 from utils.checkpoint import Checkpointer, rng_tensors, set_rng_tensors
 from utils.comm import Axis, Grid
-from utils.data.batching import WORKER_STARTS, Loaders, SharedBatches
+from utils.data.batching import Loaders, SharedBatches
 from utils.errors import require
 from utils.flops import mfu, tflops_per_device
 from utils.logger import Progress, TensorBoard
 from utils.precision import autocast
 from utils.preemption import EXIT_PREEMPTED, StopRequest
+from utils.profiling import StepProfiler
 from utils.step_results import StepResult, StepResults
 from utils.watchdog import StepWatchdog
-
-
-@dataclass
-class TrainerConfig:
-    """Schema of the `trainer` section: how long, how big, how often."""
-
-    max_steps: int = 300  # optimizer steps of the whole run (the schedule spans them)
-    global_batch_size: int = 16  # samples per optimizer step, over all data-parallel ranks
-    seed: int = 0  # seeds weights, data order and dropout; same seed = same run in any layout
-    log_every: int = 10  # steps between log lines (TensorBoard gets every step)
-    val_every: int = 100  # steps between validations (0 = only at the end)
-    ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
-    ckpt_keep: int = 2  # checkpoints kept on disk
-    resume: str = "auto"  # auto (latest of run.dir) | never | PATH to a step_* folder
-    num_workers: int = 2  # DataLoader worker processes per rank
-    worker_start: str = "forkserver"  # forkserver | spawn | fork: how data workers start (see utils/data/batching)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
-    stop_at_step: int | None = None  # end this invocation after this step with a checkpoint (job time limits)
-    preempt_deadline_s: float = 120.0  # after SIGTERM/SIGUSR1: seconds to finish the step and checkpoint
-    nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm ends the run, or skips the update
-    max_skipped_steps: int = 10  # with nonfinite=skip: stop after this many consecutive skipped steps
-    hang_timeout_s: float = 1800.0  # a rank with no progress this long dumps its stacks and exits; 0 = off
-    ckpt_async: bool = False  # write checkpoints from a background thread (one in flight) while training goes on
-
-    def __post_init__(self):
-        for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
-            value = getattr(self, name)
-            require(value > 0, f"{name} must be positive, got {value}", f"trainer.{name}", "set a positive integer")
-        for name in ("val_every", "ckpt_every", "num_workers"):
-            require(getattr(self, name) >= 0, f"{name} must be >= 0", f"trainer.{name}", "set 0 or more")
-        require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
-                "trainer.stop_at_step", "set null or a positive step")
-        require(bool(self.resume), "resume is empty", "trainer.resume", "use auto, never or a checkpoint path")
-        require(self.worker_start in WORKER_STARTS, f"unknown worker start method {self.worker_start!r}",
-                "trainer.worker_start", "choose " + ", ".join(WORKER_STARTS))
-        require(self.nonfinite in ("stop", "skip"), f"unknown nonfinite policy {self.nonfinite!r}",
-                "trainer.nonfinite", "choose stop or skip")
-        require(self.max_skipped_steps > 0, "max_skipped_steps must be positive", "trainer.max_skipped_steps",
-                "set a positive number of steps")
-        require(self.hang_timeout_s >= 0, "hang_timeout_s must be >= 0", "trainer.hang_timeout_s",
-                "set 0 (off) or the seconds a step, validation or checkpoint may take at most")
-        require(self.preempt_deadline_s > 0, "preempt_deadline_s must be positive", "trainer.preempt_deadline_s",
-                "set the seconds a stop signal leaves to finish the step and write the checkpoint")
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -105,6 +62,7 @@ class Trainer:
         self.flags = torch.zeros(2, device=self.device)  # the last step's agreed [non-finite, stop] (0/1, device)
         self.results = StepResults(self.device)  # step scalars on their way to the host (utils/step_results.py)
         self.watchdog = StepWatchdog(0, run_dir, grid.global_rank)  # off outside fit (e.g. the benchmark)
+        self.profiler = StepProfiler(self.tc, run_dir, grid.global_rank, grid.is_main, self.device, log)
 
     def save_checkpoint(self, background: bool | None = None) -> Path:
         """Write the checkpoint of the step reached (collective; see utils/checkpoint.py): the model and
@@ -168,11 +126,17 @@ class Trainer:
         rank (`self.skipped` says so); the fp16 scaler keeps its own skip logic. `self.stop_agreed`: some
         rank had `stop_requested` (a stop signal) when the step began. The lr used is `self.current_lr()`.
         """
-        if self.pipeline is not None:
-            total = self.pipeline.train_step(inputs, targets, self.tc.grad_accum_steps, self.scaler.scale)
-        else:
-            total = self.forward_backward(inputs, targets)
+        with record_function("forward_backward"):  # named ranges in profiles (utils/profiling.py)
+            if self.pipeline is not None:
+                total = self.pipeline.train_step(inputs, targets, self.tc.grad_accum_steps, self.scaler.scale)
+            else:
+                total = self.forward_backward(inputs, targets)
         self.watchdog.phase("optimizer")
+        with record_function("optimizer"):
+            return self.finish_step(total)
+
+    def finish_step(self, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient sync, clipping, the agreed flags and the update, after the backward of a step."""
         self.finish_grads()
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_grad_norm()
@@ -292,7 +256,8 @@ class Trainer:
         (utils/step_results.py); returns whether those say every rank agreed to stop."""
         t0 = time.perf_counter()
         self.watchdog.phase("data")
-        x, y = next(batches)  # on the device; read by one rank of the tp x cp group (SharedBatches)
+        with record_function("data"):
+            x, y = next(batches)  # on the device; read by one rank of the tp x cp group (SharedBatches)
         result = StepResult(self.step + 1, self.current_lr(), t0, time.perf_counter() - t0,
                             shared_bytes=batches.shared_bytes)
         self.grid.reset_comm_bytes()
@@ -301,7 +266,8 @@ class Trainer:
         count_compiled(counted)
         self.stop_requested = request.requested
         self.watchdog.phase("forward/backward")
-        loss, grad_norm = self.train_step(x, y)
+        with self.profiler.step(result.step, self.tb):
+            loss, grad_norm = self.train_step(x, y)
         self.step += 1
         if counted:  # the agreement's bytes are part of the step's figures
             result.comm_bytes = self.grid.comm_bytes()
