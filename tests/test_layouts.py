@@ -26,7 +26,7 @@ from utils.tasks import build_task
 STEPS = 10
 COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
           "trainer.log_every=5"]
-VIT = ["trainer.global_batch_size=8"]
+VIT = ["trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
 GPT = ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "data.limit_eval_tokens=4096", "trainer.global_batch_size=8", "optim.lr=2e-3"]
 
 LAYOUTS = {

@@ -6,7 +6,8 @@ from tests.conftest import read_scalars, read_tags, run_entry
 
 # One data worker, forked (the fastest start; the default forkserver start costs ~3.5 s per launch here and
 # is exercised where it matters: the job-wide SIGUSR1 below and tests/test_launch.py).
-TINY = ["trainer.log_every=10", "trainer.num_workers=1", "trainer.worker_start=fork", "trainer.global_batch_size=8"]
+TINY = ["trainer.log_every=10", "trainer.num_workers=1", "trainer.worker_start=fork", "trainer.global_batch_size=8",
+        "data.limit_nsamples_val=8"]
 
 
 def train(tmp_path, era5_root, name, *args):
@@ -95,8 +96,17 @@ def run_until_signalled(args: list[str], at_step: int, sig: int, script: str = "
     return status, time.monotonic() - sent, "".join(lines)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory, era5_root) -> list[float]:
+    """The 12 losses every interrupted run below must reproduce (checkpoint cadence and data workers do
+    not change them)."""
+    full, _ = train(tmp_path_factory.mktemp("full"), era5_root, "full", "trainer.max_steps=12", "trainer.val_every=0",
+                    "trainer.ckpt_every=0")
+    return [v for _, v in read_scalars(full)["train/loss"]]
+
+
 @pytest.mark.parametrize("signame,group", [("SIGTERM", False), ("SIGUSR1", True)])
-def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tmp_path, era5_root):
+def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tmp_path, era5_root, uninterrupted_losses):
     """Slurm's SIGTERM (or SIGUSR1 ahead of the limit, sent to every process: the data worker too):
     finish the step, checkpoint it, exit 75; the same command then continues and reproduces the
     uninterrupted losses bitwise."""
@@ -105,7 +115,6 @@ def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tm
     from utils.preemption import EXIT_PREEMPTED
 
     common = ["trainer.max_steps=12", "trainer.val_every=0", "trainer.ckpt_every=0"]
-    full, _ = train(tmp_path, era5_root, "full", *common)
     run_dir = tmp_path / "stopped"
     args = [f"data.root={era5_root}", f"run.dir={run_dir}", *TINY, *common]
     if group:  # the default start: the forkserver and its worker must survive a signal to every process
@@ -116,17 +125,16 @@ def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tm
     assert 4 <= step < 12 and (run_dir / "checkpoints" / f"step_{step:07d}" / "COMPLETE").is_file()
     _, proc = train(tmp_path, era5_root, "stopped", *common)
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:07d}'}" in proc.stdout
-    assert [v for _, v in read_scalars(run_dir)["train/loss"]] == [v for _, v in read_scalars(full)["train/loss"]]
+    assert [v for _, v in read_scalars(run_dir)["train/loss"]] == uninterrupted_losses
 
 
-def test_kill_9_around_saves_then_resume_reproduces_the_run(tmp_path, era5_root):
+def test_kill_9_around_saves_then_resume_reproduces_the_run(tmp_path, era5_root, uninterrupted_losses):
     """A checkpoint every step and SIGKILL three times just as a step's save begins: the same command then
     finishes from the newest complete checkpoint, and the losses equal the uninterrupted run's bitwise."""
     import signal
 
     common = ["trainer.max_steps=12", "trainer.val_every=0", "trainer.ckpt_every=1",
-              "trainer.num_workers=0"]  # five launches: the data workers are exercised by the tests above
-    full, _ = train(tmp_path, era5_root, "full", *common)
+              "trainer.num_workers=0"]  # four launches: the data workers are exercised by the tests above
     run_dir = tmp_path / "killed"
     args = [f"data.root={era5_root}", f"run.dir={run_dir}", *TINY, *common]
     resumed_from = []
@@ -137,5 +145,5 @@ def test_kill_9_around_saves_then_resume_reproduces_the_run(tmp_path, era5_root)
     assert len(resumed_from) == 2  # the second and third runs resumed
     _, proc = train(tmp_path, era5_root, "killed", *common)
     assert "resumed from" in proc.stdout
-    assert [v for _, v in read_scalars(run_dir)["train/loss"]] == [v for _, v in read_scalars(full)["train/loss"]]
+    assert [v for _, v in read_scalars(run_dir)["train/loss"]] == uninterrupted_losses
     assert not list((run_dir / "checkpoints").glob(".tmp_step_*"))  # leftovers of killed saves are cleaned
