@@ -1,0 +1,14 @@
+#!/bin/bash
+# Context parallelism (the sequence split over 4 ranks of a node, ring attention), dp across nodes:
+#   sbatch -N 2 submit/context_parallel.sh data.root=...   (parallel.cp_attention=allgather; parallel=cp2)
+#SBATCH --job-name=dlscale-cp
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --time=02:00:00
+#SBATCH --output=%x-%j.out
+# SIGUSR1 to every rank 120 s before the time limit: each checkpoints and exits 75, and the job is requeued
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
+source "${SLURM_SUBMIT_DIR:-.}/submit/common.sh" || exit 2
+run_training parallel=cp4 "$@"

@@ -1,0 +1,279 @@
+"""The sbatch scripts in submit/, run on this machine through stand-in `srun` and `scontrol`.
+
+The stand-ins, written into a bin directory put first on PATH: `srun` starts the step's tasks here as local
+processes (CPU, gloo) with SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID/SLURM_NTASKS set per task, kills the others
+when one exits non-zero (--kill-on-bad-exit: SIGTERM, SIGKILL 10 s later) and returns Slurm's status (a
+task killed by a signal outranks exit codes: 128 + signal, else the highest exit code); `scontrol show
+hostnames` answers `localhost` per node and `scontrol requeue` is recorded. Every training script trains
+for real, its layout scaled down to at most 4 ranks; the checks before srun, the requeue on exit 75 and
+the per-job rendezvous port are checked on the scripts' own output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SUBMIT = ROOT / "submit"
+TINY = ["trainer.max_steps=2", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
+        "trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
+
+# script, overrides that scale its layout down, nodes, tasks per node (-> world size)
+STRATEGIES = [
+    ("single_gpu.sh", [], 1, 1),
+    ("data_parallel.sh", [], 2, 1),  # two "nodes" of one task: dp=2 across nodes
+    ("tensor_parallel.sh", ["parallel=tp2"], 1, 2),
+    ("context_parallel.sh", ["parallel=cp2"], 1, 2),
+    ("pipeline_parallel.sh", ["parallel=pp2"], 1, 2),  # vit_tiny: depth 4, 2 blocks per stage
+    ("fsdp.sh", ["parallel.dp=2"], 1, 2),
+    ("hybrid.sh", ["parallel.cp=1"], 2, 2),  # tp2 inside a node x pp2 across the two nodes
+]
+
+SRUN = '''
+"""Stand-in srun: the step's tasks as local processes; records each call in $STANDIN_DIR/srun.jsonl."""
+import json, os, signal, subprocess, sys, time
+
+args, opts = sys.argv[1:], {}
+while args and args[0].startswith("-"):
+    arg = args.pop(0)
+    key, _, value = arg.partition("=")
+    if not _ and key in ("-n", "-N", "-c"):
+        value = args.pop(0)
+    opts[key] = value
+nodes = int(opts.get("--nodes", opts.get("-N", os.environ.get("SLURM_NNODES", "1"))))
+ntasks = int(opts.get("--ntasks", opts.get("-n", os.environ.get("SLURM_NTASKS", "1"))))
+per_node = int(opts.get("--ntasks-per-node", -(-ntasks // nodes)))
+watched = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "HDF5_USE_FILE_LOCKING", "NVIDIA_TF32_OVERRIDE")
+with open(os.path.join(os.environ["STANDIN_DIR"], "srun.jsonl"), "a") as f:
+    f.write(json.dumps({"opts": opts, "command": args, "ntasks": ntasks, "per_node": per_node,
+                        "env": {k: os.environ.get(k) for k in watched}}) + "\\n")
+procs = []
+for rank in range(ntasks):
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node),
+               SLURM_NODEID=str(rank // per_node), SLURM_NTASKS=str(ntasks), SLURM_STEP_NUM_TASKS=str(ntasks))
+    procs.append(subprocess.Popen(args, env=env))
+with open(os.path.join(os.environ["STANDIN_DIR"], "srun.pids"), "w") as f:
+    f.write(" ".join(str(p.pid) for p in procs))
+kill_at = None
+while any(p.poll() is None for p in procs):
+    bad = [p for p in procs if p.returncode not in (None, 0)]
+    if bad and kill_at is None and opts.get("--kill-on-bad-exit", "0") != "0":
+        kill_at = time.monotonic() + 10  # Slurm's KillWait
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    if kill_at is not None and time.monotonic() > kill_at:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    time.sleep(0.005)  # react within milliseconds, as a real srun can
+codes = [p.returncode for p in procs]
+signals = [-c for c in codes if c < 0]
+sys.exit(128 + max(signals) if signals else max(codes))
+'''
+
+SCONTROL = '''
+"""Stand-in scontrol: `show hostnames LIST` (localhost per node), `requeue ID` (recorded)."""
+import os, sys
+
+if sys.argv[1:3] == ["show", "hostnames"]:
+    print("\\n".join(["localhost"] * int(os.environ.get("SLURM_NNODES", "1"))))
+elif sys.argv[1] == "requeue":
+    with open(os.path.join(os.environ["STANDIN_DIR"], "requeue"), "a") as f:
+        f.write(" ".join(sys.argv[2:]) + "\\n")
+else:
+    sys.exit("stand-in scontrol: unexpected " + " ".join(sys.argv[1:]))
+'''
+
+
+def make_standin(directory: Path) -> Path:
+    """`directory`, with the stand-ins (and `python`, this interpreter) in bin/; they record calls there."""
+    bin_dir = directory / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(f"#!{sys.executable}\n{textwrap.dedent(body)}")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "python").symlink_to(sys.executable)
+    return directory
+
+
+@pytest.fixture
+def standin(tmp_path) -> Path:
+    return make_standin(tmp_path)
+
+
+def free_job_id() -> int:
+    """A job id whose rendezvous port (20000 + id % 20000, below the ephemeral range) is free now."""
+    while True:
+        job_id = random.randrange(1000, 12000) + 20000 * random.randrange(1, 50)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 20000 + job_id % 20000))
+                return job_id
+            except OSError:
+                continue
+
+
+def sbatch(standin: Path, script: str, *overrides: str, nodes: int = 1, per_node: int = 1,
+           job_id: int | None = None, env: dict | None = None, timeout: float = 120):
+    """Run a submit/ script as sbatch's batch step would on a CPU-only allocation of `nodes` x `per_node`
+    tasks; (the completed process, the srun calls recorded)."""
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_")) and k not in
+                ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")}
+    full_env.update(PATH=f"{standin / 'bin'}{os.pathsep}{os.environ['PATH']}", STANDIN_DIR=str(standin),
+                    PYTHONUNBUFFERED="1", SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID=str(job_id or free_job_id()),
+                    SLURM_JOB_NODELIST="localhost" if nodes == 1 else f"node[0-{nodes - 1}]",
+                    SLURM_NNODES=str(nodes), SLURM_JOB_NUM_NODES=str(nodes), SLURM_NTASKS=str(nodes * per_node),
+                    SLURM_NTASKS_PER_NODE=str(per_node), SLURM_CPUS_PER_TASK="1")
+    full_env.update(env or {})
+    proc = subprocess.Popen(["bash", str(SUBMIT / script), *overrides], cwd=ROOT, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its session: no task outlives the test
+    log = standin / "srun.jsonl"
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), calls
+
+
+def test_every_script_parses_and_shares_one_helper():
+    scripts = sorted(SUBMIT.glob("*.sh"))
+    assert {p.name for p in scripts} >= {s for s, *_ in STRATEGIES} | {"common.sh", "test_job.sh"}
+    for path in scripts:
+        proc = subprocess.run(["bash", "-n", str(path)], check=False, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{path.name}: {proc.stderr}"
+        if path.name != "common.sh":
+            text = path.read_text()
+            assert 'source "${SLURM_SUBMIT_DIR:-.}/submit/common.sh"' in text and "srun" not in text, path.name
+    for script, *_ in STRATEGIES:
+        text = (SUBMIT / script).read_text()
+        assert "#SBATCH --signal=USR1@120" in text and "#SBATCH --requeue" in text, script
+    test_job = (SUBMIT / "test_job.sh").read_text()
+    listed = [w for w in test_job.split() if w.startswith("tests/test_")]
+    assert listed and all((ROOT / p).is_file() for p in listed), [p for p in listed if not (ROOT / p).is_file()]
+
+
+@pytest.fixture(scope="module")
+def strategy_jobs(request, tmp_path_factory, era5_root):
+    """The selected strategies' jobs, run two at a time in the background as soon as the first is asked
+    for (each is mostly process startup on one or two cores): script -> (stand-in dir, job id, future)."""
+    selected = {item.callspec.params["script"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_each_strategy_trains_through_srun"}
+    jobs = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for script, layout, nodes, per_node in STRATEGIES:
+            if script in selected:
+                base = make_standin(tmp_path_factory.mktemp(script.removesuffix(".sh")))
+                job_id = free_job_id()
+                jobs[script] = base, job_id, pool.submit(
+                    sbatch, base, script, f"data.root={era5_root}", *TINY, f"run.dir={base / 'run'}", *layout,
+                    nodes=nodes, per_node=per_node, job_id=job_id, timeout=300)
+        yield jobs
+
+
+@pytest.mark.parametrize("script,layout,nodes,per_node", STRATEGIES, ids=[s[0] for s in STRATEGIES])
+def test_each_strategy_trains_through_srun(strategy_jobs, script, layout, nodes, per_node):
+    base, job_id, future = strategy_jobs[script]
+    proc, calls = future.result()
+    run_dir, world = base / "run", nodes * per_node
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [call] = calls
+    assert call["ntasks"] == world and call["per_node"] == per_node
+    assert call["opts"]["--kill-on-bad-exit"] == "1" and "-u" in call["opts"]
+    command = call["command"]  # the ranks run `python train.py <script defaults> <overrides>`
+    assert command[command.index("train.py") - 1] == "python" and command[len(command) - len(layout):] == layout
+    assert call["env"] == {"MASTER_ADDR": "localhost", "MASTER_PORT": str(20000 + job_id % 20000),
+                           "OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE", "NVIDIA_TF32_OVERRIDE": None}
+    step = run_dir / "checkpoints" / "step_0000002"
+    assert (step / "COMPLETE").is_file() and (run_dir / "checkpoints" / "latest").read_text() == step.name
+    assert f"grid: world={world} " in (run_dir / "train.log").read_text()
+    assert not (base / "requeue").exists()
+
+
+def bash_with_helper(standin: Path, snippet: str, **env: str) -> str:
+    """The output of `snippet` run after sourcing submit/common.sh, in a job environment of `env` only."""
+    base = {"PATH": f"{standin / 'bin'}{os.pathsep}{os.environ['PATH']}", "STANDIN_DIR": str(standin)}
+    proc = subprocess.run(["bash", "-c", f"source submit/common.sh && {snippet}"], cwd=ROOT, env=base | env,
+                          check=False, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_one_rank_per_gpu_else_the_tasks_slurm_gives(standin):
+    cases = [({"SLURM_GPUS_ON_NODE": "4", "SLURM_NTASKS_PER_NODE": "1"}, "4"),  # the GPUs win
+             ({"SLURM_GPUS_PER_NODE": "a100:2"}, "2"),
+             ({"SLURM_NTASKS_PER_NODE": "3"}, "3"),  # CPU-only
+             ({"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2"}, "4"),
+             ({}, "1")]
+    for env, expected in cases:
+        assert bash_with_helper(standin, "tasks_per_node", **env) == expected, env
+
+
+def test_each_job_gets_its_own_rendezvous_port(standin):
+    show = "export_environment && echo $MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS $HDF5_USE_FILE_LOCKING"
+    job = {"SLURM_JOB_NODELIST": "nid[001-002]", "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "8"}
+    assert bash_with_helper(standin, show, SLURM_JOB_ID="1234", **job) == "localhost 21234 8 FALSE"
+    assert bash_with_helper(standin, show, SLURM_JOB_ID="41235", **job) == "localhost 21235 8 FALSE"
+    assert bash_with_helper(standin, show, SLURM_JOB_ID="1234", MASTER_PORT="29999", **job).split()[1] == "29999"
+
+
+def test_a_layout_the_allocation_cannot_hold_stops_before_any_rank_starts(standin, tmp_path):
+    # 1 node whose 4 GPUs give 4 ranks (the GPUs outrank --ntasks-per-node=1); tp4 x dp2 needs 8
+    proc, calls = sbatch(standin, "tensor_parallel.sh", "parallel.dp=2", f"run.dir={tmp_path / 'run'}",
+                         per_node=1, env={"SLURM_GPUS_ON_NODE": "4"})
+    assert proc.returncode == 2 and not calls and not (tmp_path / "run").exists()
+    assert proc.stderr == ("error: 1 node(s) x 4 tasks = 4 ranks but tp=4 cp=1 pp=1 dp=2 needs 8 (parallel.dp): "
+                           "sbatch -N 2 ... or set parallel.dp=1\n")
+
+
+def test_ranks_stopped_with_a_checkpoint_requeue_the_job(standin, tmp_path, era5_root):
+    """SIGUSR1 to every rank (what --signal=USR1@120 does): both checkpoint and exit 75, and the script
+    requeues the job. The first rank out makes srun SIGTERM the other while it still exits: unless the
+    ranks ignore SIGTERM outside the training loop, that rank can die of it (143, outranking the 75) and
+    nothing is requeued (5 of 7 tries here before submit/common.sh made them ignore it)."""
+    run_dir = tmp_path / "run"
+    job_id = free_job_id()
+    args = [f"data.root={era5_root}", f"run.dir={run_dir}", *TINY, "trainer.max_steps=200", "trainer.log_every=1"]
+    result = {}
+    job = threading.Thread(target=lambda: result.update(
+        run=sbatch(standin, "data_parallel.sh", *args, per_node=2, job_id=job_id)))
+    job.start()
+    log, deadline = run_dir / "train.log", time.monotonic() + 120
+    while not (log.exists() and "step 2/" in log.read_text()):
+        assert job.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.1)
+    for pid in (standin / "srun.pids").read_text().split():
+        os.kill(int(pid), signal.SIGUSR1)
+    job.join(timeout=150)
+    proc, _ = result["run"]
+    assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (standin / "requeue").read_text() == f"{job_id}\n"
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+    assert (latest / "COMPLETE").is_file() and f"requeueing job {job_id}" in proc.stdout
+
+
+def test_test_job_runs_pytest_in_one_task(standin):
+    quick = "tests/test_submit.py::test_every_script_parses_and_shares_one_helper"
+    proc, calls = sbatch(standin, "test_job.sh", quick, per_node=1)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [call] = calls
+    assert call["ntasks"] == 1 and call["command"][:4] == ["python", "-m", "pytest", "-q"]
+    assert call["env"]["NVIDIA_TF32_OVERRIDE"] == "0" and "[100%]" in proc.stdout
