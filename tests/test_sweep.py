@@ -1,0 +1,121 @@
+"""Hydra multirun and launchers as Hydra users type them: `python train.py -m key=a,b ...`.
+
+Every command runs in an empty working folder, which must stay empty: Hydra makes no outputs/ or
+multirun/ folders, no .hydra/ and no log files of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, read_scalars
+from utils.hydra_app import is_hydra_command, with_sweep_subdir
+
+TINY = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
+        "trainer.global_batch_size=4", "model.depth=1", "data.limit_nsamples_val=8"]
+
+
+def train(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` from the folder `cwd`, which must stay empty."""
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert not list(cwd.iterdir()), f"left in the working folder: {list(cwd.iterdir())}"
+    return proc
+
+
+def single_run_dir(*args: str) -> Path:
+    """run.dir of `python train.py ARGS` as a single run (utils.runs naming, its layout on as many ranks)."""
+    from utils.comm import check_grid, layout_name, parse_order
+    from utils.config import load_config
+    from utils.launch import LaunchEnv, ranks_needed
+    from utils.runs import run_dir_for
+
+    cfg, choices, config_yaml = load_config(list(args))
+    sizes = check_grid(cfg.parallel, LaunchEnv(world_size=ranks_needed(cfg.parallel)))
+    return run_dir_for(cfg, choices, config_yaml, layout_name(sizes, parse_order(cfg.parallel.order)))
+
+
+def check_trained(run_dir: Path, steps: int = 1) -> None:
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:07d}"
+    assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == list(range(1, steps + 1))
+
+
+@pytest.mark.parametrize("argv,hydra", [
+    (["model=vit_base", "--cfg"], False), (["--cfg", "job"], True), (["--cfg=hydra"], True), (["-c", "all"], True),
+    (["-m", "optim.lr=1,2"], True), (["--multirun"], True), (["--info"], True), (["--info", "plugins"], True),
+    (["hydra.run.dir=x"], True), (["hydra/launcher=submitit_local"], True), (["-cn", "config"], True),
+    (["--config-path=x"], True), (["run.tag=hydra.x", "trainer.max_steps=3"], False), ([], False),
+])
+def test_which_command_lines_go_to_hydra(argv, hydra):
+    assert is_hydra_command(argv) == hydra
+
+
+def test_a_sweep_dir_gets_hydras_subdirs():
+    overrides = ["a=1,2", "hydra.sweep.dir=d"]
+    assert with_sweep_subdir(["-m", *overrides, "--info"], overrides) == [
+        "-m", *overrides, "hydra.sweep.subdir=${hydra.job.num}", "--info"]
+    chosen = ["hydra.sweep.dir=d", "hydra.sweep.subdir=x"]
+    assert with_sweep_subdir(["-m", *chosen], chosen) == ["-m", *chosen]
+    assert with_sweep_subdir(["-m", "a=1,2"], ["a=1,2"]) == ["-m", "a=1,2"]
+
+
+def test_basic_sweep_runs_each_point_as_its_single_run(tmp_path, era5_root):
+    """Two points one after another in this process, each in the run.dir the same single run gets (its
+    overrides give it its own digest); no multirun.yaml or other Hydra file beside them."""
+    common = [f"data.root={era5_root}", *TINY, f"run.root={tmp_path / 'runs'}"]
+    proc = train(tmp_path / "cwd", "-m", "optim.lr=1e-3,2e-3", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "#1 : optim.lr=0.002" in proc.stdout  # the launcher's lines
+    expected = {single_run_dir("optim.lr=1e-3", *common), single_run_dir("optim.lr=2e-3", *common)}
+    assert len(expected) == 2 and set((tmp_path / "runs").iterdir()) == expected
+    for run_dir in expected:
+        check_trained(run_dir)
+        assert not (run_dir / ".hydra").exists()
+
+
+def test_submitit_local_sweep_into_a_sweep_dir(tmp_path, era5_root):
+    """hydra.sweep.dir=DIR: each point's run.dir is Hydra's job folder DIR/<job number>, the launcher's files
+    stay in DIR/.submitit; the tp2 point's job starts its two local ranks as `train.py parallel=tp2` does."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    proc = train(tmp_path / "cwd", "-m", "parallel=single,tp2", f"data.root={era5_root}", *TINY,
+                 f"run.root={tmp_path / 'runs'}", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+                 f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "#1 : parallel=tp2" in proc.stdout
+    for num, tp in ((0, 1), (1, 2)):
+        check_trained(sweep / str(num))
+        assert f"tp={tp}" in (sweep / str(num) / "train.log").read_text()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_hydra_run_dir_is_the_run_dir(tmp_path, era5_root):
+    run_dir = tmp_path / "my run"
+    proc = train(tmp_path / "cwd", f"hydra.run.dir={run_dir}", f"data.root={era5_root}", *TINY,
+                 f"run.root={tmp_path / 'runs'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_trained(run_dir)
+    assert f"dir: {run_dir}" in (run_dir / "config.yaml").read_text() and not (tmp_path / "runs").exists()
+
+
+def test_hydra_flags_print_and_exit(tmp_path):
+    job = train(tmp_path / "cwd", "--cfg", "job", "trainer.max_steps=7", f"run.root={tmp_path / 'runs'}")
+    assert job.returncode == 0 and "max_steps: 7" in job.stdout and "hydra:" not in job.stdout, job.stderr
+    info = train(tmp_path / "cwd", "--info", "defaults")
+    assert info.returncode == 0 and "model/vit_tiny" in info.stdout, info.stdout + info.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args,setting", [(["optim.lr=abc,1e-3"], "optim.lr=abc"),
+                                          (["optim.lr=1e-3,2e-3", "model=nope"], "model=nope")])
+def test_a_bad_point_stops_the_sweep_before_any_trains(args, setting, tmp_path):
+    proc = train(tmp_path / "cwd", "-m", *args, f"run.root={tmp_path / 'runs'}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert f"({setting}" in lines[0] and not (tmp_path / "runs").exists()
