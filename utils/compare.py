@@ -282,9 +282,8 @@ def plot_scaling(plt, rows: list[dict[str, object]], path: Path) -> None:
         for i, row in enumerate(rows):
             if row["samples_per_sec"] is None:
                 continue
-            ax.plot(row["ranks"], row["samples_per_sec"], "o", color=colours[i % len(colours)])
-            ax.annotate(f"{row['run']} ({row['layout']})", (row["ranks"], row["samples_per_sec"]),
-                        textcoords="offset points", xytext=(5, 5), fontsize="small")
+            ax.plot(row["ranks"], row["samples_per_sec"], "o", color=colours[i % len(colours)],
+                    label=f"{row['run']} ({row['layout']})")  # in the legend: labels beside points overlap
         ax.set_xscale("log", base=2)  # log-log: ideal scaling is a straight line
         ax.set_yscale("log")
         ax.set_xticks(ranks, [str(n) for n in ranks])
