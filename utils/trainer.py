@@ -123,7 +123,7 @@ class Trainer:
         the step queues its work and never waits for the device (fused Adam; see `step_optimizer`).
 
         Without a loss scaler, a non-finite loss or gradient norm on any rank skips the update on every
-        rank (`self.skipped` says so); the fp16 scaler keeps its own skip logic. `self.stop_agreed`: some
+        rank (`self.skipped` says so); the fp16 scaler keeps its own skip logic. `self.flags[1]`: some
         rank had `stop_requested` (a stop signal) when the step began. The lr used is `self.current_lr()`.
         """
         with record_function("forward_backward"):  # named ranges in profiles (utils/profiling.py)
@@ -188,11 +188,6 @@ class Trainer:
     def skipped(self) -> bool:
         """Whether every rank skipped the last step's update (reads the device)."""
         return bool(self.flags[0].item()) and not self.scaler.is_enabled()
-
-    @property
-    def stop_agreed(self) -> bool:
-        """Whether some rank had a stop signal when the last step began (reads the device)."""
-        return bool(self.flags[1].item())
 
     def finish_grads(self) -> None:
         """Reduce gradients that are partial sums over model-parallel axes (none without tp/cp), and
