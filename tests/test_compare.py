@@ -1,4 +1,5 @@
-"""utils/compare.py on real runs: a one-process run and a two-rank data-parallel run of train.py's tiny ViT.
+"""utils/compare.py on three real runs of train.py's tiny ViT: one process, two-rank data parallel, two-rank
+tensor parallel.
 
 The table's values are checked against the runs' TensorBoard events as tests.conftest.read_scalars reads
 them, the CSV against the table, the figures as PNG files; then globs, bad arguments and a resumed run's
@@ -26,12 +27,14 @@ FIGURES = ["loss_vs_step.png", "loss_vs_time.png", "throughput.png"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, era5_root):
-    """{'single': run dir (1 rank), 'dp2': run dir (2 ranks, parallel.dp derived: 0 in its config.yaml)}."""
+    """{'single': run dir (1 rank), 'dp2': run dir (2 ranks, parallel.dp derived: 0 in its config.yaml),
+    'tp2': run dir (2 ranks)}."""
     root = tmp_path_factory.mktemp("runs")
-    commands = {"single": ("train.py",), "dp2": ("train_mp.py", "--nproc", "2", "parallel=dp")}
+    commands = {"single": ("train.py",), "dp2": ("train_mp.py", "--nproc", "2", "parallel=dp"),
+                "tp2": ("train.py", "parallel=tp2")}
     # One OpenMP thread per process: on 2 busy cores the default threads spin against each other (a
-    # one-process run took 21 s instead of 8 s here). Both runs at once: their start-up overlaps.
-    with ThreadPoolExecutor(2) as pool:
+    # one-process run took 21 s instead of 8 s here). All runs at once: their start-up overlaps.
+    with ThreadPoolExecutor(len(commands)) as pool:
         procs = {name: pool.submit(run_entry, *command, f"data.root={era5_root}", f"run.dir={root / name}",
                                    *TINY, env={"OMP_NUM_THREADS": "1"})
                  for name, command in commands.items()}
@@ -48,11 +51,12 @@ def table_rows(text: str) -> list[dict[str, str]]:
 
 
 def test_table_values_are_those_of_the_events(runs, capsys):
-    assert main([str(runs["single"]), str(runs["dp2"])]) == 0
+    assert main([str(runs["single"]), str(runs["dp2"]), str(runs["tp2"])]) == 0
     rows = {row["run"]: row for row in table_rows(capsys.readouterr().out)}
-    assert list(rows) == ["single", "dp2"]  # the order of the arguments
+    assert list(rows) == ["single", "dp2", "tp2"]  # the order of the arguments
     assert (rows["single"]["layout"], rows["single"]["ranks"]) == ("single", "1")
     assert (rows["dp2"]["layout"], rows["dp2"]["ranks"]) == ("dp2", "2")  # dp=0 in config.yaml: from train.log
+    assert (rows["tp2"]["layout"], rows["tp2"]["ranks"]) == ("tp2", "2")
     for name, run_dir in runs.items():
         scalars, row = read_scalars(run_dir), rows[name]
         losses = [v for _, v in scalars["train/loss"]]
@@ -66,16 +70,18 @@ def test_table_values_are_those_of_the_events(runs, capsys):
         assert row["MFU"] == ""  # CPU: no known peak
         assert "val/ppl" not in row  # no language model among these runs
     assert rows["single"]["dp bytes/step"] == "" and rows["dp2"]["dp bytes/step"].endswith("MiB")
+    assert rows["tp2"]["dp bytes/step"] == "" and rows["tp2"]["tp bytes/step"].endswith("MiB")
+    assert rows["dp2"]["tp bytes/step"] == ""
 
 
 def test_out_writes_the_table_csv_and_figures(runs, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main([str(runs["single"]), str(runs["dp2"]), "--out", str(out)]) == 0
+    assert main([str(runs["single"]), str(runs["dp2"]), str(runs["tp2"]), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.strip() in (out / "compare.md").read_text()
     with (out / "compare.csv").open() as f:
         csv_rows = list(csv.DictReader(f))
-    assert [r["run"] for r in csv_rows] == [r["run"] for r in table_rows(printed)] == ["single", "dp2"]
+    assert [r["run"] for r in csv_rows] == [r["run"] for r in table_rows(printed)] == ["single", "dp2", "tp2"]
     for row, run_dir in zip(csv_rows, runs.values()):  # full values: equal to the events' own
         scalars = read_scalars(run_dir)
         losses = [v for _, v in scalars["train/loss"]]
@@ -84,7 +90,7 @@ def test_out_writes_the_table_csv_and_figures(runs, tmp_path, capsys):
         assert float(row["samples_per_sec"]) == statistics.median(v for _, v in scalars["perf/samples_per_sec"])
         assert float(row["peak_mem_gib"]) == max(v for _, v in scalars["mem/peak_gib"])
         assert int(row["steps"]) == scalars["train/loss"][-1][0] and row["mfu"] == ""
-    assert [r["ranks"] for r in csv_rows] == ["1", "2"]
+    assert [r["ranks"] for r in csv_rows] == ["1", "2", "2"]
     assert csv_rows[0]["comm_dp_bytes"] == "" and float(csv_rows[1]["comm_dp_bytes"]) == statistics.median(
         v for _, v in read_scalars(runs["dp2"])["comm/dp_bytes"])
     for name in [*FIGURES, "scaling.png"]:  # the ranks differ: the scaling figure too
@@ -97,7 +103,7 @@ def test_out_writes_the_table_csv_and_figures(runs, tmp_path, capsys):
 
 def test_a_glob_expands_sorted(runs, capsys):
     assert main([str(runs["single"].parent / "*")]) == 0
-    assert [row["run"] for row in table_rows(capsys.readouterr().out)] == ["dp2", "single"]
+    assert [row["run"] for row in table_rows(capsys.readouterr().out)] == ["dp2", "single", "tp2"]
 
 
 @pytest.mark.parametrize("bad", ["nothing-*", "missing_dir", "not_a_run", "a_file"])

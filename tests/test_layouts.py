@@ -24,8 +24,8 @@ from utils.plan import GPUS, plan_layout
 from utils.tasks import build_task
 
 STEPS = 10
-COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
-          "trainer.log_every=5"]
+COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.val_at_start=false", "trainer.ckpt_every=0",
+          "trainer.num_workers=0", "trainer.log_every=5"]  # one validation, at the end
 VIT = ["trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
 GPT = ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "data.limit_eval_tokens=4096", "trainer.global_batch_size=8", "optim.lr=2e-3"]
 

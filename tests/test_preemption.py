@@ -14,9 +14,17 @@ from tests.conftest import ROOT
 from utils.preemption import EXIT_LATE, SIGNALS, StopRequest
 
 
+@pytest.fixture
+def handlers_kept():
+    """The stop signals' handlers as they were before the test, put back after it."""
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    yield before
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
 @pytest.mark.parametrize("sig", SIGNALS, ids=[s.name for s in SIGNALS])
-def test_each_stop_signal_is_recorded_and_handlers_restored(sig):
-    before = signal.getsignal(sig)
+def test_each_stop_signal_is_recorded_and_then_ignored(sig, handlers_kept):
     with StopRequest(60) as request:
         assert not request.requested
         os.kill(os.getpid(), sig)
@@ -25,7 +33,17 @@ def test_each_stop_signal_is_recorded_and_handlers_restored(sig):
         os.kill(os.getpid(), signal.SIGTERM)  # a second non-interrupt signal changes nothing
         time.sleep(0.05)
         assert request.signum == sig
-    assert signal.getsignal(sig) == before
+    # stopping: SIGTERM (srun's, once a partner rank exited 75) must not kill the process on its way out
+    for other in SIGNALS:
+        assert signal.getsignal(other) == (handlers_kept[other] if other == signal.SIGINT else signal.SIG_IGN)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)  # still alive
+
+
+def test_handlers_restored_without_a_stop(handlers_kept):
+    with StopRequest(60) as request:
+        assert signal.getsignal(signal.SIGTERM) == request._handle
+    assert {sig: signal.getsignal(sig) for sig in SIGNALS} == handlers_kept
 
 
 def test_a_second_ctrl_c_interrupts_at_once():

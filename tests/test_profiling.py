@@ -20,8 +20,15 @@ def test_profile_of_steps_2_to_3(tmp_path, era5_root):
     assert trainer.fit() == 0
     trace = json.loads((run_dir / "profile" / "rank0_steps2-3.json").read_text())
     names = [e.get("name") for e in trace["traceEvents"]]
-    # two steps of the loop's named ranges, the real kernels inside them, and no third step
-    assert names.count("forward_backward") == 2 and names.count("optimizer") == 2 and names.count("data") == 1
+    # two steps, each a ProfilerStep range numbered as logged, with the loop's named ranges and the real
+    # kernels inside them, and no third step
+    assert [n for n in names if n.startswith("ProfilerStep#")] == ["ProfilerStep#2", "ProfilerStep#3"]
+    steps = {e["name"]: e for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert names.count("forward_backward") == 2 and names.count("optimizer") == 2 and names.count("data") == 2
+    for event in trace["traceEvents"]:  # every named range lies inside one of the two steps
+        if event.get("name") in ("data", "forward_backward", "optimizer") and event.get("ph") == "X":
+            assert any(s["ts"] <= event["ts"] and event["ts"] + event["dur"] <= s["ts"] + s["dur"]
+                       for s in steps.values()), event
     assert "aten::mm" in names or "aten::addmm" in names
     table = (run_dir / "profile" / "rank0_steps2-3_top_ops.txt").read_text()
     assert "Self CPU" in table and "aten::" in table

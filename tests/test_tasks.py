@@ -26,6 +26,8 @@ class Persistence(nn.Module):
 class Recorder:
     """Stands for the TensorBoard writer."""
 
+    active = True
+
     def __init__(self):
         self.images: dict[str, torch.Tensor] = {}
 

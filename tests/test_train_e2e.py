@@ -40,7 +40,7 @@ def test_trains_logs_and_resumes_exactly(tmp_path, era5_root):
     assert "resumed from" in proc.stdout
     resumed = read_scalars(part)
     assert [v for _, v in resumed["train/loss"]] == losses  # bitwise: same floats at every step
-    assert [s for s, _ in resumed["val/loss"]] == [20, 40]  # the validation at the resume step is kept
+    assert [s for s, _ in resumed["val/loss"]] == [0, 20, 40]  # the validations before the resume step are kept
 
 
 def test_finished_run_does_nothing_and_never_starts_over(tmp_path, era5_root):

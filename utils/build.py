@@ -29,9 +29,9 @@ from utils.checkpoint import Checkpointer, names_own_step, resume_state
 from utils.comm import Axis, Grid, background_group, check_grid, init_grid, layout_name, parse_order
 from utils.config import Config
 from utils.data.batching import build_loaders, check_batch
-from utils.flops import training_flops_per_sample
+from utils.flops import mfu_absence, training_flops_per_sample
 from utils.launch import restart_warning
-from utils.logger import setup_logging
+from utils.logger import flat_settings, setup_logging
 from utils.optim import build_optimizer, build_scheduler
 from utils.precision import autocast, configure_matmul, grad_scaler, precision_notice
 from utils.runs import check_resumable, prepare_run_dir, run_dir_for
@@ -165,6 +165,10 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
                                     read_train=grid.axis(Axis.TP, Axis.CP).rank == 0)  # see SharedBatches
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
+    notes = [note] if (note := mfu_absence(grid.device, cfg.precision.mode)) is not None else []
+    trainer.tb.run_header(config_yaml, flat_settings(cfg), ["train/loss", "val/loss", task.quality_metric,
+                                                            "perf/samples_per_sec", "perf/tokens_per_sec"],
+                          notes, trainer.step)
     log.info(f"grid: {grid.signature}; run.dir: {trainer.run_dir}")
     if trainer.pipeline is not None:
         plan = trainer.pipeline.plan
@@ -174,6 +178,8 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     log.info(param_bytes_report(trainer.raw_model, trainer.optimizer))
     if (notice := precision_notice(cfg.precision.mode, grid.device)) is not None:
         log.warning(notice)
+    for note in notes:
+        log.info(note)
     if grid.device.type == "cpu" and grid.size(Axis.TP) > 1 and cfg.parallel.sequence_parallel:
         log.info("on CPU/gloo, where each collective costs more than the bytes it moves, sequence parallelism's "
                  "2.6x as many collectives made a tp2 step 1.3x slower than parallel.sequence_parallel=false "

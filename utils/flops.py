@@ -56,3 +56,14 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
 def mfu(tflops_per_sec: float, device: torch.device, precision: str) -> float | None:
     peak = peak_tflops(device, precision)
     return tflops_per_sec / peak if peak else None
+
+
+def mfu_absence(device: torch.device, precision: str) -> str | None:
+    """Why perf/mfu is not logged on this device (None when it is)."""
+    if peak_tflops(device, precision) is not None:
+        return None
+    known = ", ".join(PEAK_TFLOPS)
+    where = ("the CPU" if device.type != "cuda" else f"'{device_name(device)}'")
+    return (f"perf/mfu is not logged: it divides perf/tflops_per_sec by the device's dense peak for {precision}, "
+            f"and utils/flops.py knows the peak of {known} (SXM parts) only, not of {where}; "
+            "perf/tflops_per_sec (the model's FLOPs per second per device) is logged")

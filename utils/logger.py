@@ -5,6 +5,7 @@ Only rank 0 writes; other ranks get a logger that drops everything except warnin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -83,12 +84,44 @@ class Progress:
         return timer
 
 
+# TensorBoard's Time Series dashboard (its first tab) sorts tag groups (a tag's part before the first '/')
+# by comparing characters, capitals before lower case, and expands the first two: without these copies a
+# user lands on comm/ and data/ with train/ and val/ collapsed. Each tag on the left is also written under
+# the name on the right, so the groups that open are Loss and Throughput.
+FIRST_SCREEN = {"train/loss": "Loss/train", "val/loss": "Loss/val",
+                "perf/samples_per_sec": "Throughput/samples_per_sec", "perf/tokens_per_sec": "Throughput/tokens_per_sec",
+                "perf/mfu": "Throughput/mfu"}
+
+# The Custom Scalars tab: train and validation loss on one chart, and the throughput.
+CUSTOM_SCALARS = {"Overview": {"loss (train and val)": ["Multiline", [r"^train/loss$", r"^val/loss$"]],
+                               "samples per second": ["Multiline", [r"^perf/samples_per_sec$"]],
+                               "tokens per second": ["Multiline", [r"^perf/tokens_per_sec$"]]}}
+
+
+def flat_settings(tree, prefix: str = "") -> dict[str, int | float | str | bool]:
+    """A config tree of dataclasses as {"section.key": value} for HParams: numbers and strings as they are,
+    booleans, lists and tuples as text, None left out (HParams has no null)."""
+    out: dict[str, int | float | str | bool] = {}
+    for f in dataclasses.fields(tree):
+        value, key = getattr(tree, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            out.update(flat_settings(value, key + "."))
+        elif isinstance(value, bool):  # as text: HParams would show a bool as the number 0 or 1
+            out[key] = str(value).lower()
+        elif isinstance(value, (int, float, str)):
+            out[key] = value
+        elif value is not None:
+            out[key] = str(list(value) if isinstance(value, tuple) else value)
+    return out
+
+
 class TensorBoard:
     """One TensorBoard event stream per run (rank 0 only)."""
 
     def __init__(self, run_dir: Path, is_main: bool, start_step: int = 0):
         self.run_dir, self.is_main, self.start_step = run_dir, is_main, start_step
         self._writer = None
+        self._session_end = None  # HParams' end-of-session summary, written by close(finished=True)
 
     @property
     def writer(self):
@@ -103,10 +136,34 @@ class TensorBoard:
                                          purge_step=self.start_step + 1 if self.start_step else None)
         return self._writer
 
+    @property
+    def active(self) -> bool:
+        """Whether this rank writes (rank 0): others need not compute what they would write."""
+        return self.is_main
+
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self.writer:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
+                if tag in FIRST_SCREEN:
+                    self.writer.add_scalar(FIRST_SCREEN[tag], value, step)
+
+    def run_header(self, config_yaml: str, settings: dict, metrics: list[str], notes: list[str], step: int) -> None:
+        """What a run is, written when it starts (and again at each resume, at the step it resumes from):
+        the resolved config as text (tag config), the settings and `metrics` as HParams (so runs can be
+        filtered and compared by setting), the Custom Scalars layout, and `notes` as text (tag notes)."""
+        if not self.writer:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        indented = "\n".join("    " + line for line in config_yaml.splitlines())  # a markdown code block
+        self.writer.add_text("config", indented, step)
+        experiment, start, self._session_end = hparams(settings, dict.fromkeys(metrics, 0.0))
+        for summary in (experiment, start):
+            self.writer.file_writer.add_summary(summary, step)
+        self.writer.add_custom_scalars(CUSTOM_SCALARS)
+        for note in notes:
+            self.writer.add_text("notes", note, step)
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         """`image`: (3, H, W) float in [0, 1]."""
@@ -121,6 +178,9 @@ class TensorBoard:
         if self._writer:
             self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """`finished`: the run reached max_steps (HParams marks its session as ended successfully)."""
         if self._writer:
+            if finished and self._session_end is not None:
+                self._writer.file_writer.add_summary(self._session_end)
             self._writer.close()

@@ -43,7 +43,10 @@ def stop_signals_blocked() -> Iterator[None]:
 
 
 class StopRequest:
-    """Context manager that installs the handlers (main thread only) and restores the previous ones."""
+    """Context manager that installs the handlers (main thread only) and restores the previous ones; after
+    a stop was requested it leaves SIGTERM, SIGUSR1 and SIGHUP ignored instead: the process is on its way
+    out with EXIT_PREEMPTED, and the SIGTERM srun sends the other ranks of a job step once the first one
+    has exited (--kill-on-bad-exit) must not turn their 75 into death by signal (143)."""
 
     def __init__(self, deadline_s: float):
         self.deadline_s = deadline_s
@@ -64,7 +67,7 @@ class StopRequest:
         if self._timer is not None:
             self._timer.cancel()
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if self.requested and sig != signal.SIGINT else handler)
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested and signum == signal.SIGINT:

@@ -4,8 +4,8 @@ torch.profiler records steps start..end (counted from 1, as logged) on every ran
 run.dir/profile/rank<r>_steps<start>-<end>.json, a Chrome trace: open it at https://ui.perfetto.dev
 (or chrome://tracing). Each rank also writes its table of the operators that took the most time
 (self time, on the device when there is one) to rank<r>_steps<start>-<end>_top_ops.txt; rank 0 logs its
-table and adds it to TensorBoard as text (profile/top_ops). The trainer's phases (data, forward/backward,
-optimizer) appear as named ranges in the trace.
+table and adds it to TensorBoard as text (profile/top_ops). Each step is a range ProfilerStep#<step> in
+the trace, and the trainer's phases in it (data, forward_backward, optimizer) are named ranges too.
 
 `trainer.profile_memory=true` (CUDA only) records the allocator's history from the start of the run and
 writes run.dir/profile/rank<r>_memory.pickle at the end step and when a step runs out of memory; open it
@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from utils.errors import require
 
@@ -47,7 +47,9 @@ class StepProfiler:
         step write the trace and the table (and a memory snapshot); on out-of-memory, the snapshot."""
         if self.enabled and step == self.start:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self.prof = profile(activities=activities, record_shapes=True)
+            # a schedule that records every step makes torch mark each one as a ProfilerStep#<n> range
+            self.prof = profile(activities=activities, record_shapes=True, schedule=lambda _: ProfilerAction.RECORD)
+            self.prof.step_num = step  # ranges numbered as the log counts steps
             self.prof.start()
         try:
             yield
@@ -61,6 +63,8 @@ class StepProfiler:
             self.prof.stop()
             self.write(tb)
             self.prof = None
+        elif self.prof is not None:
+            self.prof.step()
         if self.memory and step == self.end:
             self.snapshot()
 

@@ -23,19 +23,18 @@ from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
 from utils.data.era5_synthetic import ensure_synthetic
 from utils.data.wikitext import WikiTextConfig, load_wikitext
 from utils.errors import require
+from utils.figures import field_panels, figure_image
 from utils.generate import greedy_decode
 from utils.metrics import weighted_rmse_per_sample
 
 
-def diverging_image(field: torch.Tensor, vmax: float) -> torch.Tensor:
-    """(H, W) -> (3, H, W) in [0, 1]: blue (negative), white (0), red (positive)."""
-    v = (field.float() / vmax).clamp(-1, 1)
-    pos, neg = v.clamp(min=0), (-v).clamp(min=0)
-    return torch.stack([1 - neg, 1 - pos - neg, 1 - pos])
-
-
 class WeatherTask:
     """ERA5 next-state regression with the ViT."""
+
+    @property
+    def quality_metric(self) -> str:
+        """The validation metric a run is judged by, besides val/loss."""
+        return f"val/rmse/{self.cfg.channels[0]}"
 
     def describe(self) -> str:
         return f"{self.train_set.infos[0].path.parent.parent}: {len(self.train_set)} train / {len(self.val_set)} valid pairs"
@@ -103,12 +102,9 @@ class WeatherTask:
         count = sums[1].clamp_min(1)
         metrics = {"val/loss": (sums[0] / count).item()}
         metrics.update({f"val/rmse/{c}": (sums[2 + i] / count).item() for i, c in enumerate(self.cfg.channels)})
-        if first is not None and dp.rank == 0:
-            pred0, tgt0 = first
-            vmax = float(tgt0.abs().max().clamp_min(1e-6))
-            gap = torch.ones(3, tgt0.shape[0], 2)
-            writer.image("val/u10m_pred_vs_target", torch.cat([diverging_image(pred0, vmax), gap,
-                                                               diverging_image(tgt0, vmax)], dim=2), step)
+        if first is not None and dp.rank == 0 and writer.active:  # rank 0 alone draws and writes the figure
+            channel = self.cfg.channels[0]
+            writer.image(f"val/{channel}_pred_vs_target", figure_image(field_panels(*first, channel, step)), step)
         return metrics
 
 
@@ -116,6 +112,7 @@ class LanguageTask:
     """Next-token prediction on WikiText with the decoder-only Transformer."""
 
     num_prompts, prompt_len, new_tokens = 3, 8, 24
+    quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
 
     def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig):
         self.cfg, self.model_cfg = data, model_cfg
@@ -173,19 +170,30 @@ class LanguageTask:
         writer.text("val/samples", self.continuations(model, grid, autocast), step)
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
 
+    def prompt_starts(self) -> list[int]:
+        """Where the fixed prompts start: evenly spaced places of the validation split, each followed by
+        at least `new_tokens` true tokens."""
+        span = len(self.corpus.valid) - self.prompt_len - self.new_tokens
+        return [i * span // self.num_prompts for i in range(self.num_prompts)]
+
     def prompts(self) -> torch.Tensor:
-        """Fixed prompts: `prompt_len` tokens at evenly spaced places of the validation split."""
+        """The fixed prompts: `prompt_len` tokens at each of `prompt_starts`."""
         valid = self.corpus.valid
-        starts = [i * (len(valid) - self.prompt_len) // self.num_prompts for i in range(self.num_prompts)]
-        return torch.tensor(np.stack([valid[s:s + self.prompt_len] for s in starts]).astype(np.int64))
+        return torch.tensor(np.stack([valid[s:s + self.prompt_len] for s in self.prompt_starts()]).astype(np.int64))
 
     def continuations(self, model: nn.Module, grid: Grid, autocast) -> str:
-        """Greedy continuations of the fixed prompts, as markdown (prompt in bold)."""
+        """Greedy continuations of the fixed prompts next to the text that follows them in the corpus, as a
+        markdown table (prompt, model, true text)."""
         prompts = self.prompts().to(grid.device)
         buffer = greedy_decode(model, prompts, self.new_tokens, tp=grid.axis(Axis.TP), autocast=autocast)
-        decode = self.corpus.tokenizer.decode
-        return "\n\n".join(f"**{decode(row[:self.prompt_len].tolist())}** {decode(row[self.prompt_len:].tolist())}"
-                           for row in buffer.cpu())
+        valid, n, decode = self.corpus.valid, self.prompt_len, self.corpus.tokenizer.decode
+
+        def cell(tokens) -> str:  # one table cell: no line breaks, pipes escaped
+            return " ".join(decode([int(t) for t in tokens]).split()).replace("|", "\\|") or " "
+
+        rows = [f"| {cell(row[:n])} | {cell(row[n:])} | {cell(valid[s + n:s + n + self.new_tokens])} |"
+                for row, s in zip(buffer.cpu(), self.prompt_starts())]
+        return "\n".join(["| prompt | model (greedy) | true text |", "|---|---|---|", *rows])
 
 
 def build_task(cfg, load_data: bool = True) -> WeatherTask | LanguageTask:

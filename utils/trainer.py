@@ -222,9 +222,13 @@ class Trainer:
         watchdog = StepWatchdog(self.tc.hang_timeout_s, self.run_dir, self.grid.global_rank)
         with StopRequest(self.tc.preempt_deadline_s) as request, watchdog:
             self.watchdog = watchdog
+            if self.step == 0 and self.tc.val_at_start:  # the untrained model's point on the val curves
+                self.watchdog.phase("validation")
+                self.validate()
             notice = self.progress.first_step_notice(self.step + 1)
             while self.step < stop:
-                stopping = self.fit_step(batches, request)
+                with self.profiler.step(self.step + 1, self.tb):  # a whole step, data included
+                    stopping = self.fit_step(batches, request)
                 if notice is not None:  # the first step ended: no "still running" line any more
                     notice.cancel()
                 if not stopping and self.at_boundary(stop):  # validation/checkpoint: every step read first
@@ -243,7 +247,7 @@ class Trainer:
             self.watchdog.phase("checkpoint")
             self.background_save_done(wait=True)
         count_compiled(True)
-        self.tb.close()
+        self.tb.close(finished=self.step == self.tc.max_steps)
         return 0
 
     def fit_step(self, batches, request: StopRequest) -> bool:
@@ -261,8 +265,7 @@ class Trainer:
         count_compiled(counted)
         self.stop_requested = request.requested
         self.watchdog.phase("forward/backward")
-        with self.profiler.step(result.step, self.tb):
-            loss, grad_norm = self.train_step(x, y)
+        loss, grad_norm = self.train_step(x, y)
         self.step += 1
         if counted:  # the agreement's bytes are part of the step's figures
             result.comm_bytes = self.grid.comm_bytes()

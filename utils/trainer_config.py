@@ -17,6 +17,7 @@ class TrainerConfig:
     seed: int = 0  # seeds weights, data order and dropout; same seed = same run in any layout
     log_every: int = 10  # steps between log lines (TensorBoard gets every step)
     val_every: int = 100  # steps between validations (0 = only at the end)
+    val_at_start: bool = True  # also validate before the first step, so val curves start where training does
     ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
     ckpt_keep: int = 2  # checkpoints kept on disk
     resume: str = "auto"  # auto (latest of run.dir) | never | PATH to a step_* folder

@@ -1,0 +1,40 @@
+"""Figures for TensorBoard images, drawn with matplotlib's Agg canvas (no display, no pyplot state)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def field_panels(pred: torch.Tensor, target: torch.Tensor, name: str, step: int):
+    """Prediction, target and error (prediction - target) of one (H, W) field side by side, titled, on one
+    diverging colour scale symmetric about 0 whose range is printed on the shared colour bar: the three
+    panels' colours mean the same value. A matplotlib Figure (see `figure_image`)."""
+    from matplotlib.figure import Figure
+
+    pred, target = pred.float().cpu(), target.float().cpu()
+    panels = (("prediction", pred), ("target", target), ("error (prediction - target)", pred - target))
+    vmax = max(float(field.abs().max()) for _, field in panels) or 1e-6
+    height, width = target.shape
+    panel_w = 4.0
+    fig = Figure(figsize=(3 * panel_w, panel_w * height / width + 1.6), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 3)
+    for ax, (title, field) in zip(axes, panels):
+        shown = ax.imshow(field.numpy(), cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest")
+        ax.set_title(title)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(f"{name}, first validation sample, step {step}")
+    fig.colorbar(shown, ax=list(axes), orientation="horizontal", shrink=0.5,
+                 label=f"{name} (normalized units); shared colour range [{-vmax:.3g}, {vmax:.3g}]")
+    return fig
+
+
+def figure_image(fig) -> torch.Tensor:
+    """A matplotlib Figure drawn on the Agg canvas: an RGB image (3, H, W) in [0, 1] for TensorBoard."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    rgb = np.asarray(canvas.buffer_rgba())[..., :3]
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).float() / 255
