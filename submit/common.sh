@@ -90,12 +90,11 @@ srun_and_requeue() {
     local nodes=$1 per_node=$2 rc
     shift 2
     # --kill-on-bad-exit: one failed rank ends the others. That includes a rank that stopped with 75 while
-    # its partners, stopped at the same step, still exit: they would die of srun's SIGTERM (143) and hide
-    # the 75. So ranks start with SIGTERM ignored; the trainer installs its own stop handler while it trains
-    # (SIGTERM there still means "checkpoint and exit 75"), and past KillWait srun's SIGKILL still ends them.
+    # its partners, stopped at the same step, still exit: srun's SIGTERM must not kill them (143 would hide
+    # the 75). The trainer leaves SIGTERM ignored once it has stopped with a checkpoint (utils/preemption.py);
+    # past KillWait srun's SIGKILL still ends a rank that does not exit.
     srun -u --kill-on-bad-exit=1 --nodes="$nodes" --ntasks-per-node="$per_node" --ntasks=$(( nodes * per_node )) \
-        ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} \
-        bash -c 'trap "" TERM; exec "$@"' rank "$@"
+        ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "$@"
     rc=$?
     if [ "$rc" -eq "$EXIT_PREEMPTED" ]; then
         echo "ranks stopped with a checkpoint (exit $rc): requeueing job $SLURM_JOB_ID to continue from it"
