@@ -27,6 +27,23 @@ def run_entry(script: str, *args: str, timeout: float = 240, env: dict | None = 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_main(script: str, *args: str) -> tuple[int, str, str]:
+    """An entry point's `main(args)` in this process, for checks that end before any training (bad input):
+    (exit status, stdout, stderr). The status of `sys.exit` counts as returned."""
+    import contextlib
+    import importlib
+    import io
+
+    module = importlib.import_module(Path(script).stem)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = module.main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
 def read_tags(run_dir: Path) -> dict[str, list[str]]:
     """Tag names of a run's TensorBoard events by kind (scalars, images, tensors for text)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -1,19 +1,30 @@
-"""Bad input: exit 2, one line `error: <what> (<setting>): <fix>` on stderr, no traceback, no training."""
+"""Bad input: exit 2, one line `error: <what> (<setting>): <fix>` on stderr, no traceback, no training.
+
+Most cases call train.py's `main` in this process (the command's code, without an interpreter start per
+case); `test_config_error_through_the_command` and the launch cases run the command itself.
+"""
 
 import pytest
 
-from tests.conftest import run_entry
+from tests.conftest import run_entry, run_main
 
 
 def check_error(args, setting, tmp_path):
-    proc = run_entry("train.py", f"run.dir={tmp_path / 'run'}", *args, timeout=60)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    code, out, err = run_main("train.py", f"run.dir={tmp_path / 'run'}", *args)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert f"({setting}" in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "Traceback" not in err + out
     assert not (tmp_path / "run" / "checkpoints").exists()
     return lines[0]
+
+
+def test_config_error_through_the_command(tmp_path):
+    proc = run_entry("train.py", f"run.dir={tmp_path / 'run'}", "model.embed_dim=130", timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "(model.embed_dim" in lines[0], proc.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stderr + proc.stdout
 
 
 @pytest.mark.parametrize("args,setting", [
@@ -64,8 +75,8 @@ def test_paths_are_bad_input_too(kind, setting, tmp_path):
     args = {"unreachable": ["run.dir=/proc/dlscale/run"], "a file": [f"run.dir={tmp_path / 'file'}"],
             "tag": [f"run.root={tmp_path}", "run.tag=../../escaped"],
             "resume": [f"run.dir={tmp_path / 'run'}", "trainer.resume=step_0000010"]}[kind]
-    proc = run_entry("train.py", *args, timeout=60)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and f"({setting})" in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
+    code, out, err = run_main("train.py", *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"({setting})" in lines[0], err
+    assert "Traceback" not in err + out
     assert not (tmp_path.parent / "escaped").exists()

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tests.conftest import read_scalars, read_tags, run_entry
+from tests.conftest import read_scalars, read_tags, run_entry, run_main
 
 LM = ["model=gpt_tiny", "data=wikitext_sample", "trainer.num_workers=0", "trainer.log_every=20"]
 
@@ -32,18 +32,18 @@ def test_gpt_tiny_beats_unigram(tmp_path, corpus_root):
     (["model=vit_tiny"], "model"),
 ])
 def test_lm_bad_input(args, setting, tmp_path, corpus_root):
-    proc = run_entry("train.py", *LM, f"data.root={corpus_root}", f"run.dir={tmp_path}", *args, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("error: ") and f"({setting}" in proc.stderr and "Traceback" not in proc.stderr
+    code, _, err = run_main("train.py", *LM, f"data.root={corpus_root}", f"run.dir={tmp_path}", *args)
+    assert code == 2, err
+    assert err.startswith("error: ") and f"({setting}" in err and "Traceback" not in err
 
 
 def test_missing_split_and_empty_corpus(tmp_path):
     folder = tmp_path / "wikitext-2"
     folder.mkdir()
     (folder / "wiki.train.tokens").write_text(" = A = \n the cat sat . \n")
-    proc = run_entry("train.py", *LM, "data=wikitext", f"data.root={tmp_path}", timeout=60)
-    assert proc.returncode == 2 and "lacks the valid" in proc.stderr, proc.stderr
+    code, _, err = run_main("train.py", *LM, "data=wikitext", f"data.root={tmp_path}")
+    assert code == 2 and "lacks the valid" in err, err
     for split in ("train", "valid", "test"):
         (folder / f"wiki.{split}.tokens").write_text("\n \n")
-    proc = run_entry("train.py", *LM, "data=wikitext", f"data.root={tmp_path}", timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr
+    code, _, err = run_main("train.py", *LM, "data=wikitext", f"data.root={tmp_path}")
+    assert code == 2 and err.startswith("error: "), err
