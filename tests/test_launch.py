@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -103,6 +104,21 @@ def ranks_of(run_dir) -> list[int]:
     return [int(pid) for pid in out.split()]
 
 
+def launched_ranks(launcher_pid: int) -> list[int]:
+    """PIDs of the ranks train_mp.py started, in rank order: its children, by start time (ranks are started
+    in rank order; on a CPU machine they are forks, whose /proc environ is still the launcher's)."""
+    children = []
+    for pid in ranks_of_parent(launcher_pid):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children.append((int(fields[19]), pid))  # starttime (field 22 of stat; 2 fields precede this split)
+    return [pid for _, pid in sorted(children)]
+
+
+def ranks_of_parent(parent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
 def test_launcher_forwards_stop_signals_and_never_leaves_a_rank_behind(tmp_path, era5_root):
     """SIGTERM to train_mp.py reaches both tp ranks: one complete checkpoint of both, status 75. SIGKILL
     of the launcher (nothing to forward) still ends its ranks, with a checkpoint."""
@@ -143,8 +159,7 @@ def test_a_stopped_rank_does_not_leave_the_job_waiting(tmp_path, era5_root):
     while not (run_dir / "train.log").is_file() or "step 3/" not in (run_dir / "train.log").read_text():
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
         time.sleep(0.2)
-    rank1 = next(pid for pid in ranks_of(run_dir) if pid != proc.pid and "RANK=1" in
-                 open(f"/proc/{pid}/environ").read().replace("\0", " ") + " ")
+    rank1 = launched_ranks(proc.pid)[1]
     os.kill(rank1, signal.SIGSTOP)
     stopped = time.time()
     status = proc.wait(timeout=60)
