@@ -193,6 +193,8 @@ def launch(argv: list[str], world: int) -> int:
         procs = [subprocess.Popen([sys.executable, entry, *argv], env=rank_env(r, world, port, use_gpus),
                                   preexec_fn=die_with_parent) for r in range(world)]
     else:
+        import utils.build  # noqa: F401 - the rest of what a rank imports: once here, not once in every rank
+
         procs = [ForkedRank(rank_env(r, world, port, False), argv) for r in range(world)]
     forward_stop_signals(procs)
     return supervise(procs)

@@ -17,7 +17,7 @@ import pytest
 
 from distributed.collectives import ring_bytes
 from distributed.sharded_state import read_shapes
-from tests.conftest import ROOT, read_scalars, run_entry
+from tests.conftest import ROOT, read_scalars, read_tags, run_entry
 from tests.test_plan import report_of
 from utils.config import load_config
 from utils.plan import GPUS, plan_layout
@@ -27,7 +27,8 @@ STEPS = 10
 COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.val_at_start=false", "trainer.ckpt_every=0",
           "trainer.num_workers=0", "trainer.log_every=5"]  # one validation, at the end
 VIT = ["trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
-GPT = ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "data.limit_eval_tokens=4096", "trainer.global_batch_size=8", "optim.lr=2e-3"]
+GPT = ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "data.limit_eval_tokens=4096", "trainer.global_batch_size=8",
+       "optim.lr=2e-3", "data.sample_tokens=0"]  # no greedy decoding at validation but under pp2tp2 (below)
 
 LAYOUTS = {
     "dp2": ["parallel.dp=2"],
@@ -44,7 +45,7 @@ LAYOUTS = {
     "pp2_gpipe": ["parallel=pp2", "parallel.pp_schedule=gpipe"],
     "pp2_1f1b": ["parallel=pp2", "parallel.pp_schedule=1f1b"],
     "pp2_interleaved": ["parallel=pp2", "parallel.pp_schedule=interleaved_1f1b"],  # 4 stages of one block
-    "pp2tp2": ["parallel=pp2", "parallel.tp=2"],
+    "pp2tp2": ["parallel=pp2", "parallel.tp=2", "data.sample_tokens=8"],  # decoding through stages and shards
     "pp2cp2": ["parallel=pp2", "parallel.cp=2"],
 }
 # A layout's group structure under each order is tested in tests/test_grid.py; here, one 4-rank
@@ -263,6 +264,7 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
     reference, tmp = gpt_reference
     run_dir = run_layout(tmp, layout, GPT, f"data.root={corpus_root}", *LAYOUTS[layout])
     assert_same_curve(reference, curves(run_dir))
+    assert ("val/samples/text_summary" in read_tags(run_dir)["tensors"]) == (layout == "pp2tp2")
     if layout == "cp2":  # exact: the ring's K/V blocks, the gradient all-reduce, the loss mean, the flags
         cfg, _, _ = load_config([*GPT, f"data.root={corpus_root}"])
         params = sum(p.numel() for p in build_task(cfg).build_model().parameters())

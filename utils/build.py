@@ -166,9 +166,10 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
     notes = [note] if (note := mfu_absence(grid.device, cfg.precision.mode)) is not None else []
-    trainer.tb.run_header(config_yaml, flat_settings(cfg), ["train/loss", "val/loss", task.quality_metric,
-                                                            "perf/samples_per_sec", "perf/tokens_per_sec"],
-                          notes, trainer.step)
+    if trainer.step < cfg.trainer.max_steps:  # a finished run's directory gets no new events
+        trainer.tb.run_header(config_yaml, flat_settings(cfg), ["train/loss", "val/loss", task.quality_metric,
+                                                                "perf/samples_per_sec", "perf/tokens_per_sec"],
+                              notes, trainer.step)
     log.info(f"grid: {grid.signature}; run.dir: {trainer.run_dir}")
     if trainer.pipeline is not None:
         plan = trainer.pipeline.plan

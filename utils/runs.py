@@ -24,7 +24,7 @@ RESUME_SAFE = ("run.", "trainer.stop_at_step", "trainer.resume", "trainer.log_ev
                "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.num_workers", "trainer.worker_start",
                "trainer.preempt_deadline_s", "trainer.hang_timeout_s", "trainer.profile", "precision.compile",
                "trainer.activation_checkpointing", "trainer.ckpt_async", "trainer.grad_accum_steps", "data.root",
-               "data.cache_dir", "parallel.")  # checkpoints load under any layout (utils/checkpoint.py)
+               "data.cache_dir", "data.sample_tokens", "parallel.")  # checkpoints load under any layout (utils/checkpoint.py)
 
 
 def _flat(config_yaml: str) -> dict[str, object]:

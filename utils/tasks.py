@@ -111,11 +111,12 @@ class WeatherTask:
 class LanguageTask:
     """Next-token prediction on WikiText with the decoder-only Transformer."""
 
-    num_prompts, prompt_len, new_tokens = 3, 8, 24
+    num_prompts, prompt_len = 3, 8
     quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
 
     def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig):
         self.cfg, self.model_cfg = data, model_cfg
+        self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
         self.train_set = self.val_set = self.corpus = None
         self.unigram_ppl = float("nan")
 
@@ -167,7 +168,8 @@ class LanguageTask:
                     sums[1] += len(x)
         all_reduce_(sums, grid.axis(Axis.DP, Axis.PP))
         loss = (sums[0] / sums[1].clamp_min(1)).item()
-        writer.text("val/samples", self.continuations(model, grid, autocast), step)
+        if self.new_tokens:  # a collective (tp ranks decode together): every rank, not only the writer
+            writer.text("val/samples", self.continuations(model, grid, autocast), step)
         return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
 
     def prompt_starts(self) -> list[int]:

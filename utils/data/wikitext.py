@@ -61,6 +61,7 @@ class WikiTextConfig:
     limit_train_tokens: int | None = None  # use only the first N training tokens (None = all)
     limit_eval_tokens: int | None = None  # use only the first N validation/test tokens (None = all)
     cache_dir: str | None = None  # cache for tokenizer and ids when the data folder is read-only (None = user cache)
+    sample_tokens: int = 24  # greedy tokens per fixed prompt that each validation writes to TensorBoard (0: none)
 
     def __post_init__(self):
         require(self.kind == "wikitext", f"kind {self.kind!r} is not wikitext", "data.kind",
@@ -75,6 +76,8 @@ class WikiTextConfig:
                 "data.bpe_vocab_size", "use 260 (256 bytes + specials) to 1000000 tokens, e.g. 8192")
         require(self.seq_len > 0, f"seq_len must be positive, got {self.seq_len}", "data.seq_len",
                 "set a positive number of tokens")
+        require(self.sample_tokens >= 0, f"sample_tokens must be >= 0, got {self.sample_tokens}", "data.sample_tokens",
+                "set 0 (no continuations) or the number of tokens to generate per prompt")
         for name in ("limit_train_tokens", "limit_eval_tokens"):
             value = getattr(self, name)
             require(value is None or value > self.seq_len, f"{name} {value} leaves no block of seq_len tokens",
