@@ -14,7 +14,7 @@ import torch
 from tests.conftest import read_scalars
 from tests.dist_utils import run_ranks
 from tests.test_precision import make_trainer
-from utils.preemption import EXIT_PREEMPTED
+from utils.preemption import EXIT_PREEMPTED, SIGNALS
 from utils.step_results import StepResult, StepResults
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
@@ -85,7 +85,12 @@ def test_a_stop_signal_is_acted_on_lag_steps_later(lag, tmp_path, era5_root):
             os.kill(os.getpid(), signal.SIGUSR1)
 
     trainer.raw_model.register_forward_pre_hook(signal_in_step_3)
-    assert trainer.fit() == EXIT_PREEMPTED
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # a stop leaves them ignored: put them back
+    try:
+        assert trainer.fit() == EXIT_PREEMPTED
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     # the signal arrives while step 3 runs: step 4 is the first to begin with it
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{4 + lag:07d}"
     assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == list(range(1, 5 + lag))
