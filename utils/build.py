@@ -31,10 +31,10 @@ from utils.config import Config
 from utils.data.batching import build_loaders, check_batch
 from utils.flops import mfu_absence, training_flops_per_sample
 from utils.launch import restart_warning
-from utils.logger import flat_settings, setup_logging
+from utils.logger import hparam_values, setup_logging
 from utils.optim import build_optimizer, build_scheduler
 from utils.precision import autocast, configure_matmul, grad_scaler, precision_notice
-from utils.runs import check_resumable, prepare_run_dir, run_dir_for
+from utils.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for
 from utils.tasks import build_task
 from utils.trainer import Trainer
 
@@ -167,9 +167,8 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
     notes = [note] if (note := mfu_absence(grid.device, cfg.precision.mode)) is not None else []
     if trainer.step < cfg.trainer.max_steps:  # a finished run's directory gets no new events
-        trainer.tb.run_header(config_yaml, flat_settings(cfg), ["train/loss", "val/loss", task.quality_metric,
-                                                                "perf/samples_per_sec", "perf/tokens_per_sec"],
-                              notes, trainer.step)
+        metrics = ["train/loss", "val/loss", task.quality_metric, "perf/samples_per_sec", "perf/tokens_per_sec"]
+        trainer.tb.run_header(config_yaml, hparam_values(flat_config(config_yaml)), metrics, notes, trainer.step)
     log.info(f"grid: {grid.signature}; run.dir: {trainer.run_dir}")
     if trainer.pipeline is not None:
         plan = trainer.pipeline.plan

@@ -5,7 +5,6 @@ Only rank 0 writes; other ranks get a logger that drops everything except warnin
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import threading
@@ -98,21 +97,11 @@ CUSTOM_SCALARS = {"Overview": {"loss (train and val)": ["Multiline", [r"^train/l
                                "tokens per second": ["Multiline", [r"^perf/tokens_per_sec$"]]}}
 
 
-def flat_settings(tree, prefix: str = "") -> dict[str, int | float | str | bool]:
-    """A config tree of dataclasses as {"section.key": value} for HParams: numbers and strings as they are,
-    booleans, lists and tuples as text, None left out (HParams has no null)."""
-    out: dict[str, int | float | str | bool] = {}
-    for f in dataclasses.fields(tree):
-        value, key = getattr(tree, f.name), prefix + f.name
-        if dataclasses.is_dataclass(value):
-            out.update(flat_settings(value, key + "."))
-        elif isinstance(value, bool):  # as text: HParams would show a bool as the number 0 or 1
-            out[key] = str(value).lower()
-        elif isinstance(value, (int, float, str)):
-            out[key] = value
-        elif value is not None:
-            out[key] = str(list(value) if isinstance(value, tuple) else value)
-    return out
+def hparam_values(flat: dict[str, object]) -> dict[str, int | float | str]:
+    """Flat settings ({"section.key": value}, utils/runs.py: flat_config) as HParams takes them: numbers and
+    strings as they are; booleans and lists as text (HParams would show a bool as 0 or 1); None left out."""
+    return {key: str(value).lower() if isinstance(value, bool) else value if isinstance(value, (int, float, str))
+            else str(value) for key, value in flat.items() if value is not None}
 
 
 class TensorBoard:

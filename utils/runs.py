@@ -27,7 +27,8 @@ RESUME_SAFE = ("run.", "trainer.stop_at_step", "trainer.resume", "trainer.log_ev
                "data.cache_dir", "data.sample_tokens", "parallel.")  # checkpoints load under any layout (utils/checkpoint.py)
 
 
-def _flat(config_yaml: str) -> dict[str, object]:
+def flat_config(config_yaml: str) -> dict[str, object]:
+    """A resolved config as {"section.key": value} (lists stay lists)."""
     def walk(node, prefix):
         if isinstance(node, dict):
             for key, value in node.items():
@@ -40,7 +41,7 @@ def _flat(config_yaml: str) -> dict[str, object]:
 
 def differences(old_yaml: str, new_yaml: str) -> list[str]:
     """'key: old -> new' for every setting that changes what is trained."""
-    old, new = _flat(old_yaml), _flat(new_yaml)
+    old, new = flat_config(old_yaml), flat_config(new_yaml)
     keys = sorted(k for k in old.keys() | new.keys() if not k.startswith(RESUME_SAFE) and old.get(k) != new.get(k))
     return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys]
 
