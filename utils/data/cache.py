@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def cached(name: str, folders: list[Path], build: Callable[[Path], None]) -> Pat
     The file is written under a temporary name and hard-linked into place, so readers never see half a
     file and, when processes race, the first finished copy wins and everyone reads that one. A lock file
     makes the ranks of a job that share a file system wait for the first builder instead of all
-    tokenizing the corpus at once.
+    tokenizing the corpus at once; where the file system has no flock, they build unlocked (see `_lock`).
     """
     for folder in folders:
         if (folder / name).is_file():
@@ -47,7 +48,7 @@ def cached(name: str, folders: list[Path], build: Callable[[Path], None]) -> Pat
         except OSError:
             continue  # read-only: try the next folder
         with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            _lock(lock)
             if (folder / name).is_file():  # another rank built it while we waited
                 return folder / name
             try:
@@ -58,6 +59,18 @@ def cached(name: str, folders: list[Path], build: Callable[[Path], None]) -> Pat
             return _build_into(folder, name, build, Path(tmp))
     raise ConfigError(f"no writable cache folder among {', '.join(map(str, folders))}", "data.cache_dir",
                       "set data.cache_dir to a writable folder")
+
+
+def _lock(lock) -> None:
+    """Wait for the build lock on `lock`, or go on without it where the file system refuses flock (Lustre
+    or GPFS mounted without it: ENOSYS, NFS without a lock daemon: ENOLCK). Unlocked ranks may all build
+    the same file, which costs time but stays correct: each writes its own temporary file and the first
+    finished copy wins (`_build_into`)."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as err:
+        warnings.warn(f"no file lock on {lock.name} ({err.strerror or err}): building the cache without one, "
+                      "ranks that share this folder may each build it once", stacklevel=3)
 
 
 def _build_into(folder: Path, name: str, build: Callable[[Path], None], tmp: Path) -> Path:
