@@ -12,6 +12,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("matrix", "the combination matrix (tests/test_matrix.py)")
+    group.addoption("--matrix-seed", type=int, default=0, help="seed of the random matrix cases")
+    group.addoption("--matrix-cases", type=int, default=0, help="random matrix cases to run (0: none)")
+
+
 @pytest.fixture(scope="session")
 def era5_root(tmp_path_factory) -> Path:
     from utils.data.era5_synthetic import ensure_synthetic

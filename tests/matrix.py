@@ -1,0 +1,214 @@
+"""The space of layouts the config accepts, and an all-pairs covering set of it: the combination matrix.
+
+A case sets ten factors (FACTORS). A factor that does not act in a case is inactive and set to None
+(the schedule without pp, cp_attention without cp, sequence parallelism without tp, dp_mode without a
+dp x cp group to shard over, the order with fewer than two axes above 1), so the space holds each
+distinct run once. Whether a case is accepted is decided by the trainer's own checks, run without
+launching anything: the typed config's validation (`Config.__post_init__`, via `dataclasses.replace`
+on a config composed once per model), the grid check against the world size, and the batch check
+(`build_run` makes the same three before any work). A refused case carries that one-line error.
+
+`covering_set()`: every pair of (factor, value) settings that occurs together in some accepted case
+occurs in at least one accepted case of the set (greedy all-pairs: each pick covers the most pairs
+still uncovered, the cheaper case first among equals), and every pair that occurs only in refused
+cases gets one refused case, whose refusal the matrix then checks. `random_cases(seed, n)` draws
+accepted cases for longer runs outside the default suite (`pytest --matrix-seed S --matrix-cases N`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from functools import cache
+
+from utils.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
+MAX_WORLD = 4
+FACTORS = {
+    "model": ("vit", "gpt"),
+    "tp": (1, 2),
+    "cp": (1, 2),
+    "pp": (1, 2, 4),
+    "dp": (1, 2, 4),  # with tp, cp, pp: every world of 2 to MAX_WORLD ranks
+    "order": ("tp-cp-dp-pp", "pp-dp-cp-tp"),  # nearest ranks first: the default, and its reverse
+    "dp_mode": ("ddp", "fsdp"),
+    "precision": ("fp32", "bf16", "fp16"),
+    "schedule": SCHEDULES,
+    "cp_attention": ("allgather", "ring"),
+    "sequence_parallel": (True, False),
+    "activation_checkpointing": (False, True),
+    "grad_accum_steps": (1, 2),
+}
+NAMES = tuple(FACTORS)
+GLOBAL_BATCH = 16  # divisible by every dp x accumulation x microbatches of the space
+MODEL_ARGS = {
+    "vit": ["trainer.global_batch_size=16", "data.limit_nsamples_val=8", "model.depth=4"],
+    "gpt": ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "data.limit_eval_tokens=2048",
+            "trainer.global_batch_size=16", "optim.lr=2e-3", "data.sample_tokens=0"],
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    order: str | None
+    dp_mode: str | None
+    precision: str
+    schedule: str | None
+    cp_attention: str | None
+    sequence_parallel: bool | None
+    activation_checkpointing: bool
+    grad_accum_steps: int
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        return self.tp, self.cp, self.pp, self.dp
+
+    @property
+    def layout(self) -> str:
+        return "".join(f"{axis}{size}" for axis, size in zip(("tp", "cp", "pp", "dp"), self.sizes) if size > 1)
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def name(self) -> str:
+        parts = [self.model, self.layout, self.precision]
+        optional = {"order": self.order and f"o{self.order.replace('-', '')}", "dp_mode": self.dp_mode,
+                    "schedule": self.schedule, "cp_attention": self.cp_attention,
+                    "sequence_parallel": self.sequence_parallel is not None and f"sp{int(self.sequence_parallel)}"}
+        parts += [v for v in optional.values() if v]
+        parts += ["ac" if self.activation_checkpointing else "", f"acc{self.grad_accum_steps}"]
+        return "-".join(p for p in parts if p)
+
+    def overrides(self) -> list[str]:
+        """The command-line settings of the case, beyond MODEL_ARGS."""
+        tp, cp, pp, dp = self.sizes
+        args = [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
+                f"precision={self.precision}", f"trainer.grad_accum_steps={self.grad_accum_steps}",
+                f"trainer.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
+        optional = {"order": "parallel.order", "dp_mode": "parallel.dp_mode", "schedule": "parallel.pp_schedule",
+                    "cp_attention": "parallel.cp_attention", "sequence_parallel": "parallel.sequence_parallel"}
+        for field, key in optional.items():
+            value = getattr(self, field)
+            if value is not None:
+                args.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+        return args
+
+    def settings(self) -> tuple[tuple[str, object], ...]:
+        return tuple((n, getattr(self, n)) for n in NAMES if getattr(self, n) is not None)
+
+
+def normalize(values: dict) -> Case | None:
+    """The case of these factor values with every inactive factor set to None (None: not 2..MAX_WORLD ranks)."""
+    tp, cp, pp, dp = (values[axis] for axis in ("tp", "cp", "pp", "dp"))
+    if not 2 <= tp * cp * pp * dp <= MAX_WORLD:
+        return None
+    active = {"order": sum(s > 1 for s in (tp, cp, pp, dp)) >= 2, "dp_mode": dp * cp > 1, "schedule": pp > 1,
+              "cp_attention": cp > 1, "sequence_parallel": tp > 1}
+    return Case(**{n: (values[n] if active.get(n, True) else None) for n in NAMES})
+
+
+@cache
+def space() -> tuple[Case, ...]:
+    """Every distinct case of the factors."""
+    cases = {normalize(dict(zip(NAMES, values))) for values in itertools.product(*FACTORS.values())} - {None}
+    return tuple(sorted(cases, key=lambda c: c.name))
+
+
+@cache
+def _base_configs():
+    from utils.config import load_config
+
+    return {model: load_config(args)[0] for model, args in MODEL_ARGS.items()}
+
+
+def refusal(case: Case) -> str | None:
+    """The one-line error the trainer refuses the case with before any work, or None if it accepts it."""
+    from distributed.pipeline.plan import resolve_plan
+    from utils.comm import check_grid
+    from utils.data.batching import check_batch
+    from utils.launch import LaunchEnv
+
+    base = _base_configs()[case.model]
+    tp, cp, pp, dp = case.sizes
+    par = dict(tp=tp, cp=cp, pp=pp, dp=dp, order=case.order or base.parallel.order,
+               dp_mode=case.dp_mode or "ddp", pp_schedule=case.schedule or base.parallel.pp_schedule,
+               cp_attention=case.cp_attention or base.parallel.cp_attention,
+               sequence_parallel=True if case.sequence_parallel is None else case.sequence_parallel)
+    try:
+        cfg = dataclasses.replace(
+            base, parallel=dataclasses.replace(base.parallel, **par),
+            precision=dataclasses.replace(base.precision, mode=case.precision),
+            trainer=dataclasses.replace(base.trainer, grad_accum_steps=case.grad_accum_steps,
+                                        activation_checkpointing=case.activation_checkpointing))
+        check_grid(cfg.parallel, LaunchEnv(world_size=case.world))
+        p = cfg.parallel
+        microbatches = resolve_plan(p.pp_schedule, pp, p.pp_stages_per_rank, p.pp_microbatches,
+                                    cfg.model.depth).microbatches if pp > 1 else 1
+        # the data's size is no factor of the space (every case reads the same data): only the split is checked
+        check_batch(cfg.trainer.global_batch_size, dp, cfg.trainer.grad_accum_steps, GLOBAL_BATCH, microbatches)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def _pairs(case: Case) -> list[tuple]:
+    return list(itertools.combinations(case.settings(), 2))
+
+
+def _masks(cases: list[Case]) -> tuple[dict[Case, int], list[tuple]]:
+    """Each case's pairs as a bit mask over an index of every pair (set arithmetic on ints is fast)."""
+    index: dict[tuple, int] = {}
+    masks = {}
+    for case in cases:
+        mask = 0
+        for pair in _pairs(case):
+            mask |= 1 << index.setdefault(pair, len(index))
+        masks[case] = mask
+    return masks, list(index)
+
+
+def _cost(case: Case) -> tuple:
+    return (case.world, case.grad_accum_steps, case.name)
+
+
+@cache
+def covering_set() -> tuple[tuple[Case, ...], tuple[tuple[Case, str], ...]]:
+    """(accepted cases covering every pair that an accepted case has, refused cases with their errors
+    covering the pairs only refused cases have)."""
+    verdicts = {case: refusal(case) for case in space()}
+    accepted = sorted((c for c, why in verdicts.items() if why is None), key=_cost)
+    masks, index = _masks(accepted)
+    uncovered = 0
+    for mask in masks.values():
+        uncovered |= mask
+    chosen = []
+    while uncovered:
+        best = max(accepted, key=lambda c: (masks[c] & uncovered).bit_count())  # the cheapest among equals
+        chosen.append(best)
+        uncovered &= ~masks[best]
+    covered = set(index)  # every pair of an accepted case, now covered
+    refused = []
+    for case in sorted((c for c, why in verdicts.items() if why is not None), key=_cost):
+        if new := set(_pairs(case)) - covered:
+            refused.append((case, verdicts[case]))
+            covered |= new
+    return tuple(chosen), tuple(refused)
+
+
+def random_cases(seed: int, count: int) -> list[Case]:
+    """`count` accepted cases drawn at random (seeded) from the whole space."""
+    rng = random.Random(seed)
+    cases = list(space())
+    rng.shuffle(cases)
+    return [case for case in cases if refusal(case) is None][:count]

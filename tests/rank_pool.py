@@ -1,0 +1,205 @@
+"""A pool of rank processes started once per test process and reused, so a multi-rank case costs its own
+work, not the start of N interpreters that import torch (about 3 s each on 2 cores, most of a small case).
+
+`RankPool.run(fn, world, *args)` runs `fn(rank, world, *args)` on `world` pooled processes with the
+variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on a fresh port), so
+`utils.comm.init_grid` and `torch.distributed` find the launch exactly as under torchrun; `fn` returns
+a picklable value per rank. `run_entry_ranks(argv, world)` runs the real entry point, `train.main(argv)`,
+on every rank, with each rank's stdout and stderr caught (the trainer's log lines, a refusal's one line).
+
+What a case may leave behind is undone before the next: the process group is destroyed, the logging
+handlers closed, the stop-signal handlers and the environment restored, torch's default dtype, grad mode
+and seeds reset. A case that fails on one rank while the others wait in a collective, that dies or that
+runs past its deadline replaces every process of the pool (the others' state is unknown): nothing waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+
+PRELOAD = ("train", "utils.build", "utils.trainer", "torch.distributed.pipelining", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint", "torch.utils.tensorboard")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to fail or finish on their own
+
+
+@dataclass
+class RankResult:
+    value: object = None  # what fn returned
+    error: str | None = None  # the traceback of an exception other than SystemExit
+    stdout: str = ""
+    stderr: str = ""
+
+
+def _reset_process_state() -> None:
+    """Undo what a case may leave in this process (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for name in ("dlscale", "dlscale.file"):
+        logger = logging.getLogger(name)
+        for handler in logger.handlers:
+            handler.close()
+        logger.handlers.clear()
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.manual_seed(0)
+
+
+def _worker(index: int, jobs, results) -> None:
+    """A pooled rank: import the trainer once, then run jobs until told to stop (None)."""
+    import importlib
+
+    import torch
+
+    torch.set_num_threads(1)  # the pool's ranks share the cores; more threads make every collective wait
+    for module in PRELOAD:
+        importlib.import_module(module)
+    base_env = dict(os.environ)
+    while (job := jobs.get()) is not None:
+        job_id, rank, env, fn, args = job
+        os.environ.clear()
+        os.environ.update(base_env, **env)
+        out, err, result = io.StringIO(), io.StringIO(), RankResult()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                result.value = fn(rank, int(env.get("WORLD_SIZE", 1)), *args)
+        except BaseException:  # noqa: BLE001 - every failure goes to the parent, the worker lives on
+            result.error = traceback.format_exc()
+        finally:
+            with contextlib.suppress(BaseException):
+                _reset_process_state()
+            os.environ.clear()
+            os.environ.update(base_env)
+        result.stdout, result.stderr = out.getvalue(), err.getvalue()
+        results.put((job_id, rank, result))
+
+
+class RankPool:
+    """`size` pooled rank processes (grown on demand for a larger world)."""
+
+    def __init__(self, size: int = 4):
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = []
+        self._jobs: list = []
+        self._results = self._ctx.Queue()
+        self._next_job = 0
+        self._grow(size)
+
+    def _grow(self, size: int) -> None:
+        while len(self._procs) < size:
+            jobs = self._ctx.SimpleQueue()
+            proc = self._ctx.Process(target=_worker, args=(len(self._procs), jobs, self._results), daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._jobs.append(jobs)
+
+    def restart(self) -> None:
+        """Replace every process (after a failure that may leave ranks inside a collective)."""
+        size = len(self._procs)
+        for proc in self._procs:
+            proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=10)
+        self._procs, self._jobs = [], []
+        self._results = self._ctx.Queue()
+        self._grow(size)
+
+    def close(self) -> None:
+        for jobs, proc in zip(self._jobs, self._procs):
+            if proc.is_alive():
+                jobs.put(None)
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+    def run(self, fn: Callable, world: int, *args, timeout_s: float = 120.0,
+            env: dict[str, str] | None = None) -> list[RankResult]:
+        """`fn(rank, world, *args)` on `world` ranks; their results in rank order. Raises TimeoutError when
+        a rank is not done within `timeout_s`, RuntimeError when a pooled process died."""
+        from utils.launch import free_port
+
+        self._grow(world)
+        self._next_job += 1
+        job_id, port = self._next_job, free_port()
+        for rank in range(world):
+            launch = {} if world == 1 else dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                               MASTER_PORT=str(port))
+            self._jobs[rank].put((job_id, rank, {**(env or {}), **launch}, fn, args))
+        return self._collect(job_id, world, timeout_s)
+
+    def _collect(self, job_id: int, world: int, timeout_s: float) -> list[RankResult]:
+        results: dict[int, RankResult] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world:
+            try:
+                got_id, rank, result = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [i for i in range(world) if not self._procs[i].is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.restart()
+                    if any(r.error or _failed(r.value) for r in results.values()):  # the others waited on it
+                        return [results.get(r, RankResult(error="stopped: another rank failed first"))
+                                for r in range(world)]
+                    if dead:
+                        raise RuntimeError(f"pooled rank {dead[0]} died (exit code {self._procs[dead[0]].exitcode})")
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} not done within "
+                                       f"{timeout_s:.0f} s") from None
+                continue
+            if got_id != job_id:
+                continue  # a late report of a case abandoned by an earlier restart
+            results[rank] = result
+            if (result.error or _failed(result.value)) and len(results) < world:
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        return [results[r] for r in range(world)]
+
+
+def _failed(value: object) -> bool:
+    return isinstance(value, int) and value != 0
+
+
+def _entry(rank: int, world: int, argv: list[str]) -> int:
+    """The real entry point on one rank: `train.main(argv)`'s exit status (SystemExit's code included)."""
+    import train
+
+    try:
+        return int(train.main(list(argv)) or 0)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+
+
+_POOL: RankPool | None = None
+
+
+def pool() -> RankPool:
+    """This test process's pool (started on first use, ended at exit)."""
+    global _POOL
+    if _POOL is None:
+        import atexit
+
+        _POOL = RankPool()
+        atexit.register(_POOL.close)
+    return _POOL
+
+
+def run_entry_ranks(argv: list[str], world: int, timeout_s: float = 120.0) -> list[RankResult]:
+    """`python train.py argv` as `world` torchrun ranks would run it, on the pool; value = exit status."""
+    return pool().run(_entry, world, list(argv), timeout_s=timeout_s)
