@@ -200,6 +200,12 @@ def pool() -> RankPool:
     return _POOL
 
 
-def run_entry_ranks(argv: list[str], world: int, timeout_s: float = 120.0) -> list[RankResult]:
-    """`python train.py argv` as `world` torchrun ranks would run it, on the pool; value = exit status."""
+def run_entry_ranks(argv: list[str], world: int | None = None, timeout_s: float = 180.0) -> list[RankResult]:
+    """`python train.py argv` as `world` torchrun ranks would run it (default: the ranks its layout needs,
+    as train_mp.py starts them), on the pool; each result's value is that rank's exit status."""
+    if world is None:
+        from utils.config import load_config
+        from utils.launch import ranks_needed
+
+        world = ranks_needed(load_config(list(argv))[0].parallel)
     return pool().run(_entry, world, list(argv), timeout_s=timeout_s)

@@ -4,7 +4,8 @@ fp32 on CPU with dropout 0: the per-step training loss and gradient norm of dp, 
 all-gather attention, uneven patches), pp (every kind of schedule: GPipe, 1F1B, interleaved, the V-shaped
 zero bubble; tied embeddings across stages) and their products match the one-process run within relative
 1e-4 for 10 steps, for the ViT and for the language model. Runs go
-through train_mp.py (and once through torchrun), exactly as users launch them.
+through train.main on the ranks of the test pool (tests/rank_pool.py), as under torchrun, and once
+through torchrun itself; train_mp.py's start of the ranks is tested in tests/test_launch.py.
 """
 
 import shutil
@@ -17,7 +18,8 @@ import pytest
 
 from distributed.collectives import ring_bytes
 from distributed.sharded_state import read_shapes
-from tests.conftest import ROOT, read_scalars, read_tags, run_entry
+from tests.conftest import ROOT, read_scalars, read_tags
+from tests.rank_pool import run_entry_ranks
 from tests.test_plan import report_of
 from utils.config import load_config
 from utils.plan import GPUS, plan_layout
@@ -67,9 +69,12 @@ def curves(run_dir):
 
 
 def run_layout(tmp_path, name, workload, *args):
+    """A run of the layout's ranks on the test pool (train.main as under torchrun; train_mp.py's own
+    start of those ranks is tested in tests/test_launch.py): its run directory."""
     run_dir = tmp_path / name
-    proc = run_entry("train_mp.py", *workload, *COMMON, f"run.dir={run_dir}", *args, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = run_entry_ranks([*workload, *COMMON, f"run.dir={run_dir}", *args])
+    assert [r.value for r in results] == [0] * len(results), \
+        next(r.error or r.stdout[-2000:] + r.stderr[-4000:] for r in results if r.value != 0)
     return run_dir
 
 
@@ -300,8 +305,8 @@ def test_dp2_corrupt_replica_file_falls_back_on_every_rank(vit_reference, era5_r
     assert all(f"saved checkpoint {run_dir / 'checkpoints'}/step_000000{s} (in the background)" in log for s in (6, 7))
     bad = run_dir / "checkpoints" / "step_0000007" / "__1_0.distcp"
     bad.write_bytes(bad.read_bytes()[:64])
-    proc = run_entry("train_mp.py", *VIT, *COMMON, f"data.root={era5_root}", f"run.dir={run_dir}", *args, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert f"unreadable checkpoint {bad.parent} (truncated: __1_0.distcp (64 of " in proc.stdout
-    assert "resumed from" in proc.stdout and "step_0000006 at step 6" in proc.stdout
+    run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args)
+    log = (run_dir / "train.log").read_text()  # both runs' lines
+    assert f"unreadable checkpoint {bad.parent} (truncated: __1_0.distcp (64 of " in log
+    assert "resumed from" in log and "step_0000006 at step 6" in log
     assert_same_curve(reference, curves(run_dir))
