@@ -1,7 +1,8 @@
 """Transformer building blocks shared by the ViT and the language model.
 
 Written serially with plain nn.Linear/nn.LayerNorm; `distributed.tensor.parallelize` swaps them for
-parallel layers. Conventions it relies on:
+parallel layers, following the roles a model declares (`networks/parallel_plan.py`; `BLOCK` there is
+the plan of `Block`). What a declared attention module provides (`AttentionModule` there):
 - `Attention.qkv` is one fused projection whose output features are ordered (head, {q,k,v}, head_dim),
   so a contiguous split of the output features gives each tensor-parallel rank whole heads.
 - `Attention.attend` is the attention core on (B, heads, N, head_dim), a module of its own so that
@@ -15,6 +16,7 @@ parallel layers. Conventions it relies on:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +71,7 @@ class Attention(nn.Module):
         computed once, as buffers that follow the module's device)."""
         super().__init__()
         assert dim % num_heads == 0
-        self.head_dim = dim // num_heads
+        self.num_heads, self.head_dim = num_heads, dim // num_heads  # num_heads: of the serial module
         self.rotary = rotary_positions > 0
         if self.rotary:
             cos, sin = rotary_tables(rotary_positions, self.head_dim)
@@ -123,11 +125,13 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def init_weights(module: nn.Module, std: float = 0.02, num_layers: int = 1) -> None:
-    """Truncated-normal linears (output projections scaled by 1/sqrt(2L), GPT-2), unit norms."""
-    for name, m in module.named_modules():
+def init_weights(module: nn.Module, std: float = 0.02, num_layers: int = 1, residual: Iterable[nn.Module] = ()) -> None:
+    """Truncated-normal linears, unit norms. The `residual` linears (a model's declared residual-stream
+    projections, `ParallelPlan.residual_projections`) get their std scaled by 1/sqrt(2 x num_layers) (GPT-2)."""
+    residual = set(residual)
+    for m in module.modules():
         if isinstance(m, nn.Linear):
-            scale = 1.0 / math.sqrt(2 * num_layers) if name.endswith(("attn.proj", "mlp.fc2")) else 1.0
+            scale = 1.0 / math.sqrt(2 * num_layers) if m in residual else 1.0
             nn.init.trunc_normal_(m.weight, std=std * scale, a=-2 * std, b=2 * std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)

@@ -2,8 +2,8 @@
 
 Token embedding (+ learned position embedding, or rotary inside attention) -> pre-norm causal blocks
 -> final LayerNorm -> linear head over the padded vocabulary (optionally tied to the embedding).
-Built only from `networks.blocks.Block` so that `distributed.tensor.parallelize` can swap its layers;
-the attribute names below are the convention that code relies on:
+Built from `networks.blocks.Block`; `parallel_plan()` declares the parts that `distributed.tensor.parallelize`
+and `distributed.context.parallelize` swap. The attributes (the trainer, pipeline and decoding read them):
 
     tok_embed  nn.Embedding(V_padded, D)           pos_embed  nn.Embedding(max_positions, D) | None
     enter_seq  SequenceRegion('enter') after the embeddings (the sequence is split from here on)
@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from networks.blocks import Block, SequenceRegion, init_weights
+from networks.parallel_plan import BLOCK, ParallelPlan
 from utils.errors import require
 
 POSITIONS = ("learned", "rotary")
@@ -147,11 +148,16 @@ class GPT(nn.Module):
         self._init_vocab_rows(self.tok_embed.weight, lambda w: nn.init.normal_(w, std=std))
         if self.pos_embed is not None:
             nn.init.normal_(self.pos_embed.weight, std=std)
-        init_weights(self.blocks, std, self.cfg.depth)
+        init_weights(self.blocks, std, self.cfg.depth, residual=self.parallel_plan().residual_projections(self))
         init_weights(self.norm)
         if not self.cfg.tie_embeddings:
             self._init_vocab_rows(self.lm_head.weight,
                                   lambda w: nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std))
+
+    def parallel_plan(self) -> ParallelPlan:
+        """The blocks' roles; the final norm on sequence shards; vocabulary-parallel embedding, head and loss."""
+        return ParallelPlan(block=BLOCK, norms=("norm",), replicated=("pos_embed",), vocab_embedding="tok_embed",
+                            vocab_head="lm_head", pipeline_ends=self.PIPELINE_ENDS)
 
     def _init_vocab_rows(self, weight: torch.Tensor, fill) -> None:
         real = torch.empty(self.vocab_size, weight.shape[1], dtype=weight.dtype, device=weight.device)

@@ -1,7 +1,8 @@
 """The ERA5 Vision Transformer: state at t (C x H x W) -> state at t+dt, as in the NERSC tutorial.
 
 Patchify -> linear patch embedding + learned position embedding -> pre-norm blocks -> norm ->
-linear head -> un-patchify. One definition for every layout: `distributed.tensor.parallelize` shards it.
+linear head -> un-patchify. One definition for every layout: `distributed.tensor.parallelize` and
+`distributed.context.parallelize` shard what `parallel_plan()` declares.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from networks.blocks import Block, SequenceRegion, init_weights
+from networks.parallel_plan import BLOCK, ParallelPlan
 from utils.errors import require
 from utils.metrics import RelativeL2Loss
 
@@ -68,8 +70,14 @@ class ViT(nn.Module):
         self.head = nn.Linear(cfg.embed_dim, out_channels * p * p)
         self.gather_out = SequenceRegion("output")
         self.criterion = RelativeL2Loss()  # the seed's relative L2 loss, used by the trainer
-        init_weights(self, cfg.init_std, cfg.depth)
+        init_weights(self, cfg.init_std, cfg.depth, residual=self.parallel_plan().residual_projections(self))
         nn.init.trunc_normal_(self.pos_embed, std=cfg.init_std, a=-2 * cfg.init_std, b=2 * cfg.init_std)
+
+    def parallel_plan(self) -> ParallelPlan:
+        """The blocks' roles; the final norm on sequence shards; embeddings and head stay whole (the head runs
+        after the 'exit' gather, per token under cp)."""
+        return ParallelPlan(block=BLOCK, norms=("norm",), replicated=("patch_embed", "pos_embed", "head"),
+                            pipeline_ends=self.PIPELINE_ENDS)
 
     def num_tokens(self, x: torch.Tensor | None = None) -> int:
         """Sequence length of the blocks (patches per field), for any input."""

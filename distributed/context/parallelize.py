@@ -7,15 +7,18 @@ the grid's cp axis:
   balanced for causal models, contiguous otherwise (`distributed/context/layout.py`); everything
   before the split (embeddings, the ViT's position table) runs on the full sequence, so position
   embeddings are sliced with the tokens;
-- every `Attention`: its core becomes `ContextParallelAttention` (all-gather or ring), and its rotary
-  tables are read at the global positions of this rank's tokens;
+- every attention module the model declares (`model.parallel_plan()`, networks/parallel_plan.py): its
+  core becomes `ContextParallelAttention` (all-gather or ring), and its rotary tables are read at the
+  global positions of this rank's tokens;
 - the 'output' marker (the ViT, after its head): the per-token outputs are gathered back into the
   full sequence, so the model's output and loss are the single-process ones on every cp rank;
 - without an 'output' marker (the LM), the criterion sees this rank's tokens: `ContextParallelLoss`
   takes the matching targets and averages the per-rank means over cp;
-- dropouts inside the region (attention, residual, MLP) act on cp-sharded activations and draw a mask
-  per shard over (tp, cp) or (cp) (`distributed/rng.py`); the embeddings' dropout, before the split,
-  keeps the default stream, replicated over cp.
+- dropouts inside the region (attention, and the blocks' declared residual and MLP ones) act on
+  cp-sharded activations and draw a mask per shard over (tp, cp) or (cp) (`distributed/rng.py`); the
+  embeddings' dropout, before the split, keeps the default stream, replicated over cp.
+Then `check_followed` refuses (ConfigError) a model with weights or an attention core in its blocks that
+the plan leaves out: a serial attention there would attend to this rank's tokens only.
 
 Gradients: every weight sees only this rank's tokens, so its gradient is partial over cp; the loss is
 the same on every cp rank, so the data-parallel reduction sums over cp and averages over dp
@@ -32,7 +35,8 @@ from distributed.context.layout import ContextShards
 from distributed.mappings import reduce_from_region
 from distributed.rng import ShardedRandom, per_shard
 from distributed.tensor.layers import ScatterSequence
-from networks.blocks import MLP, Attention, Block, SequenceRegion
+from networks.blocks import SequenceRegion
+from networks.parallel_plan import ParallelModel, ParallelPlan, check_followed
 from utils.comm import Axis, AxisGroup, Grid
 
 
@@ -75,17 +79,22 @@ class ContextParallelLoss(nn.Module):
         return reduce_from_region(local, self.shards.axis) / self.shards.axis.size
 
 
-def parallelize_context(model: nn.Module, *, grid: Grid, variant: str) -> nn.Module:
+def parallelize_context(model: ParallelModel, *, grid: Grid, variant: str) -> nn.Module:
     """Split `model`'s sequence over grid's cp axis in place (after tp) and return it; unchanged at cp=1."""
     axis = grid.axis(Axis.CP)
     if axis.size == 1:
         return model
-    causal = any(_core(m.attend).causal for m in model.modules() if isinstance(m, Attention))
+    plan = model.parallel_plan()
+    causal = any(_core(part.module.attend).causal for part in plan.in_blocks(model, "attention"))
     shards = ContextShards(axis, balanced=causal)
-    _swap_attention_and_dropouts(model, shards, variant, grid.axis(Axis.TP))
+    _swap_attention_and_dropouts(model, plan, shards, variant, grid.axis(Axis.TP))
     if not _swap_regions(model, shards):
-        model.criterion = ContextParallelLoss(model.criterion, shards)
+        criterion = plan.outside(model, plan.criterion)
+        criterion.replace(ContextParallelLoss(criterion.module, shards))
     model.context_shards = shards
+    check_followed(model, plan, f"parallel.cp={axis.size}")
+    assert all(isinstance(_core(part.module.attend), ContextParallelAttention)
+               for part in plan.in_blocks(model, "attention")), "a declared attention core was left serial"
     return model
 
 
@@ -94,17 +103,17 @@ def _core(module: nn.Module) -> nn.Module:
     return module.inner if isinstance(module, ShardedRandom) else module
 
 
-def _swap_attention_and_dropouts(model: nn.Module, shards: ContextShards, variant: str, tp: AxisGroup) -> None:
+def _swap_attention_and_dropouts(model: nn.Module, plan: ParallelPlan, shards: ContextShards, variant: str,
+                                 tp: AxisGroup) -> None:
     """cp attention cores reading the token layout; per-shard dropout streams inside the region."""
     cp = shards.axis
-    for module in list(model.modules()):
-        if isinstance(module, Attention):
-            core = ContextParallelAttention.from_serial(_core(module.attend), shards, variant)
-            module.attend = per_shard(core, (tp, cp))
-            module.positions = shards
-        if isinstance(module, (Block, MLP)):  # tokens split over cp (and over tp under sequence parallelism)
-            split_by_tp = isinstance(module.drop, ShardedRandom)
-            module.drop = per_shard(_core(module.drop), (tp, cp) if split_by_tp else (cp,))
+    for part in plan.in_blocks(model, "attention"):
+        core = ContextParallelAttention.from_serial(_core(part.module.attend), shards, variant)
+        part.module.attend = per_shard(core, (tp, cp))
+        part.module.positions = shards
+    for part in plan.in_blocks(model, "dropouts"):  # tokens split over cp (and over tp under sequence parallelism)
+        split_by_tp = isinstance(part.module, ShardedRandom)
+        part.replace(per_shard(_core(part.module), (tp, cp) if split_by_tp else (cp,)))
 
 
 def _swap_regions(model: nn.Module, shards: ContextShards) -> bool:

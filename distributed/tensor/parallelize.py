@@ -1,20 +1,23 @@
 """Tensor (and sequence) parallelism for a serial model: swap its layers in place for parallel ones.
 
-`parallelize(model, grid=grid, sequence_parallel=...)` shards, over the grid's tp axis:
-- every `networks.blocks.Attention`: `qkv` column-parallel (whole heads per rank, because its output
-  features are ordered (head, {q,k,v}, head_dim)), `proj` row-parallel;
-- every `networks.blocks.MLP`: `fc1` column-parallel, `fc2` row-parallel;
-- the language model convention (`networks/transformer.py`): `tok_embed` vocab-parallel, `lm_head`
-  column-parallel over the vocabulary without gathering (still tied to `tok_embed` when it was),
-  `criterion` the vocab-parallel cross-entropy;
-- under sequence parallelism (Korthikanti et al. 2022): the LayerNorms inside the sequence region
-  (blocks' `norm1`/`norm2`, the model's final `norm`) become sequence-parallel, the `SequenceRegion`
-  markers split ('enter') and gather ('exit') the sequence over tp, and the linears all-gather /
-  reduce-scatter along the sequence instead of all-reduce. Without it the regions stay identities.
+`parallelize(model, grid=grid, sequence_parallel=...)` shards over the grid's tp axis what the model
+declares in `model.parallel_plan()` (networks/parallel_plan.py), in every block it holds:
+- the column linears column-parallel, the row linears row-parallel (Megatron's pairs: the fused `qkv`
+  with `proj`, `fc1` with `fc2`); whole heads per rank, because a declared attention's fused QKV orders
+  its output features (head, {q,k,v}, head_dim);
+- the vocabulary parts (the language model): the token embedding vocab-parallel, the head column-parallel
+  over the vocabulary without gathering (still tied to the embedding when it was), the criterion the
+  vocab-parallel cross-entropy;
+- under sequence parallelism (Korthikanti et al. 2022): the declared norms (the blocks' and the final
+  one) become sequence-parallel, the `SequenceRegion` markers split ('enter') and gather ('exit') the
+  sequence over tp, and the linears all-gather / reduce-scatter along the sequence instead of all-reduce.
+  Without it the regions stay identities.
 - dropout on sharded activations draws a mask per shard (`distributed.rng`): the attention core's
-  (heads are split) always, the blocks' residual and MLP dropouts under sequence parallelism (tokens
-  are split). Dropouts on replicated activations (the embeddings', and the blocks' without sequence
-  parallelism) keep the default stream, which agrees across tp, so every rank applies the same mask.
+  (heads are split) always, the blocks' declared dropouts (residual, MLP) under sequence parallelism
+  (tokens are split). Dropouts on replicated activations (the embeddings', and the blocks' without
+  sequence parallelism) keep the default stream, which agrees across tp, so every rank applies the same mask.
+Then `check_followed` refuses (ConfigError) a model with weights or an attention core in its blocks that
+the plan leaves out: it would stay serial, with partial gradients or this rank's tokens only.
 
 Weights are copied shard by shard from the serial model (`from_serial`), so the full weights of a
 parallel model equal the serial ones. Per block and training step the blocks move 8(t-1)/t x A bytes
@@ -30,13 +33,15 @@ from torch import nn
 
 from distributed.rng import per_shard
 from distributed.tensor.layers import (ColumnParallelLinear, GatherSequence, RowParallelLinear, ScatterSequence,
-                                       SequenceParallelLayerNorm, SequenceShards)
+                                       SequenceParallelLayerNorm, SequenceShards, TensorParallelLayer)
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from networks.blocks import MLP, Attention, Block, SequenceRegion
+from networks.blocks import SequenceRegion
+from networks.parallel_plan import ParallelModel, ParallelPlan, Part, check_followed
 from utils.comm import Axis, AxisGroup, Grid
+from utils.errors import ConfigError
 
 
-def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool, keep_gathered: bool = False) -> nn.Module:
+def parallelize(model: ParallelModel, *, grid: Grid, sequence_parallel: bool, keep_gathered: bool = False) -> nn.Module:
     """Shard `model` over grid's tp axis in place and return it (unchanged at tp == 1). `keep_gathered`:
     column-parallel layers under sequence parallelism save their gathered input, not their shard.
 
@@ -45,55 +50,65 @@ def parallelize(model: nn.Module, *, grid: Grid, sequence_parallel: bool, keep_g
     axis = grid.axis(Axis.TP)
     if axis.size == 1:
         return model
-    heads = [m.qkv.out_features // (3 * m.head_dim) for m in model.modules() if isinstance(m, Attention)]
+    plan = model.parallel_plan()
+    heads = [part.module.num_heads for part in plan.in_blocks(model, "attention")]
     assert all(h % axis.size == 0 for h in heads), f"heads {heads} cannot be split over tp={axis.size}"
     shards = SequenceShards(axis)
     column = dict(sequence_parallel=sequence_parallel, shards=shards, keep_gathered=keep_gathered)
-    _parallelize_vocab(model, axis, column)
-    for module in list(model.modules()):
-        if isinstance(module, Attention):
-            module.qkv = ColumnParallelLinear.from_serial(module.qkv, axis, **column)
-            module.proj = RowParallelLinear.from_serial(module.proj, axis, sequence_parallel=sequence_parallel)
-            module.attend = per_shard(module.attend, (axis,))  # heads are split over tp
-        elif isinstance(module, MLP):
-            module.fc1 = ColumnParallelLinear.from_serial(module.fc1, axis, **column)
-            module.fc2 = RowParallelLinear.from_serial(module.fc2, axis, sequence_parallel=sequence_parallel)
+    _parallelize_vocab(model, plan, axis, column)
+    for part in plan.in_blocks(model, "column"):
+        part.replace(ColumnParallelLinear.from_serial(_serial(part, nn.Linear), axis, **column))
+    for part in plan.in_blocks(model, "row"):
+        part.replace(RowParallelLinear.from_serial(_serial(part, nn.Linear), axis, sequence_parallel=sequence_parallel))
+    for part in plan.in_blocks(model, "attention"):
+        part.module.attend = per_shard(part.module.attend, (axis,))  # heads are split over tp
     if sequence_parallel:
-        _parallelize_sequence_region(model, axis, shards)
+        _parallelize_sequence_region(model, plan, axis, shards)
+    check_followed(model, plan, f"parallel.tp={axis.size}")
+    for role in ("column", "row", "norms") if sequence_parallel else ("column", "row"):
+        assert all(isinstance(p.module, TensorParallelLayer) for p in plan.in_blocks(model, role)), role
     return model
 
 
-def _parallelize_vocab(model: nn.Module, axis: AxisGroup, column: dict) -> None:
-    """Language models: vocab-parallel tok_embed, lm_head (tie kept) and criterion.
+def _serial(part: Part, kind: type[nn.Module]) -> nn.Module:
+    """The declared module when it is exactly `kind` (the serial layer with a tensor-parallel version)."""
+    if type(part.module) is not kind:
+        raise ConfigError(f"{part.name} is declared as a {kind.__name__} to split over tp but is a "
+                          f"{type(part.module).__name__}, which has no tensor-parallel version", "parallel.tp",
+                          f"declare only {kind.__name__} modules in that role, or set parallel.tp=1")
+    return part.module
+
+
+def _parallelize_vocab(model: nn.Module, plan: ParallelPlan, axis: AxisGroup, column: dict) -> None:
+    """Language models: vocab-parallel embedding, head (tie kept) and criterion, where the plan names them
+    and this rank holds them (a pipeline rank holds the embedding only on its first stage, the head on its last).
 
     The embedding all-reduces (no sequence split of its own) because positions are added and the
     sequence is split afterwards, at the model's 'enter' region. The head reads the sequence-parallel
     layout of the final norm and all-gathers it, so logits are (B, S, V_local) with replicated targets.
     """
-    embed, head = getattr(model, "tok_embed", None), getattr(model, "lm_head", None)
-    tied = embed is not None and head is not None and head.weight is embed.weight
-    if isinstance(embed, nn.Embedding):
-        model.tok_embed = VocabParallelEmbedding.from_serial(embed, axis)
-    if isinstance(head, nn.Linear):
-        model.lm_head = ColumnParallelLinear.from_serial(head, axis, **column)
+    embed, head = plan.outside(model, plan.vocab_embedding), plan.outside(model, plan.vocab_head)
+    tied = embed is not None and head is not None and head.module.weight is embed.module.weight
+    if embed is not None:
+        parallel_embed = VocabParallelEmbedding.from_serial(_serial(embed, nn.Embedding), axis)
+        embed.replace(parallel_embed)
+    if head is not None:
+        parallel_head = ColumnParallelLinear.from_serial(_serial(head, nn.Linear), axis, **column)
         if tied:
-            model.lm_head.weight = model.tok_embed.weight  # the same contiguous vocabulary rows
-        if isinstance(getattr(model, "criterion", None), nn.Module):
-            model.criterion = VocabParallelCrossEntropy.from_serial(model.criterion, axis, head.out_features)
+            parallel_head.weight = parallel_embed.weight  # the same contiguous vocabulary rows
+        head.replace(parallel_head)
+        criterion = plan.outside(model, plan.criterion)
+        criterion.replace(VocabParallelCrossEntropy.from_serial(criterion.module, axis, head.module.out_features))
 
 
-def _parallelize_sequence_region(model: nn.Module, axis: AxisGroup, shards: SequenceShards) -> None:
-    """Sequence-parallel LayerNorms and per-shard dropouts inside the region; the markers as split/gather."""
-    for module in list(model.modules()):
-        if isinstance(module, Block):
-            module.norm1 = SequenceParallelLayerNorm.from_serial(module.norm1, axis)
-            module.norm2 = SequenceParallelLayerNorm.from_serial(module.norm2, axis)
-            module.drop = per_shard(module.drop, (axis,))  # tokens are split over tp
-        elif isinstance(module, MLP):
-            module.drop = per_shard(module.drop, (axis,))
-    norm = getattr(model, "norm", None)
-    if isinstance(norm, nn.LayerNorm) and not isinstance(norm, SequenceParallelLayerNorm):
-        model.norm = SequenceParallelLayerNorm.from_serial(norm, axis)
+def _parallelize_sequence_region(model: nn.Module, plan: ParallelPlan, axis: AxisGroup, shards: SequenceShards) -> None:
+    """Sequence-parallel norms and per-shard dropouts inside the region; the markers as split/gather."""
+    final = [part for path in plan.norms if (part := plan.outside(model, path)) is not None]
+    for part in [*plan.in_blocks(model, "norms"), *final]:
+        if not isinstance(part.module, SequenceParallelLayerNorm):
+            part.replace(SequenceParallelLayerNorm.from_serial(_sequence_norm(part), axis))
+    for part in plan.in_blocks(model, "dropouts"):
+        part.replace(per_shard(part.module, (axis,)))  # tokens are split over tp
     entries = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -103,3 +118,11 @@ def _parallelize_sequence_region(model: nn.Module, axis: AxisGroup, shards: Sequ
                 setattr(parent, name, region)
                 entries += child.kind == "enter"
     assert entries == 1, f"sequence parallelism needs exactly one 'enter' SequenceRegion, found {entries}"
+
+
+def _sequence_norm(part: Part) -> nn.LayerNorm:
+    """The declared norm when it is an nn.LayerNorm (the one norm with a sequence-parallel version)."""
+    if type(part.module) is not nn.LayerNorm:
+        raise ConfigError(f"{part.name} is a {type(part.module).__name__}, which has no sequence-parallel version",
+                          "parallel.sequence_parallel", "set parallel.sequence_parallel=false, or use nn.LayerNorm")
+    return part.module
