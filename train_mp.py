@@ -75,6 +75,8 @@ def supervise(procs: list[subprocess.Popen], preempt_grace_s: float = 180.0) -> 
 
     Ranks that stopped on a signal with a checkpoint (EXIT_PREEMPTED) wait for the others, which stop at
     the same step; the job then returns EXIT_PREEMPTED (EXIT_LATE if some rank is not done in time).
+    A rank killed by signal n fails with 128 + n, as a shell reports it (Popen says -n, and
+    `sys.exit(-n)` would exit with 256 - n: 247 for SIGKILL).
     """
     preempted_at = None
     while True:
@@ -82,7 +84,7 @@ def supervise(procs: list[subprocess.Popen], preempt_grace_s: float = 180.0) -> 
         failed = [c for c in codes if c not in (None, 0, EXIT_PREEMPTED)]
         if failed:
             stop_all(procs)
-            return failed[0]
+            return 128 - failed[0] if failed[0] < 0 else failed[0]
         if all(c is not None for c in codes):
             return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
         if EXIT_PREEMPTED in codes:

@@ -29,6 +29,19 @@ def test_supervisor_stops_the_other_ranks_when_one_fails():
     assert sleeper.poll() is not None and time.time() - start < 20
 
 
+def test_a_rank_killed_by_a_signal_fails_the_job_with_128_plus_its_number():
+    """As a shell reports it (sys.exit of Popen's -9 would be 247): Slurm and scripts read 137 as SIGKILL."""
+    import signal
+
+    sleep = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_DFL); print(flush=True); time.sleep(60)"
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        sleeper, killed = (subprocess.Popen([sys.executable, "-c", sleep], stdout=subprocess.PIPE) for _ in range(2))
+        killed.stdout.readline()  # its SIGTERM handler is the default one now
+        killed.send_signal(sig)
+        assert supervise([sleeper, killed]) == 128 + sig
+        assert sleeper.poll() is not None
+
+
 def test_a_rank_whose_partner_failed_its_checks_does_not_hang(tmp_path, era5_root):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     args = [sys.executable, str(ROOT / "train.py"), "parallel.dp=2", "parallel.init_timeout_s=5",

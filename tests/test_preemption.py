@@ -46,7 +46,7 @@ def test_handlers_restored_without_a_stop(handlers_kept):
     assert {sig: signal.getsignal(sig) for sig in SIGNALS} == handlers_kept
 
 
-def test_a_second_ctrl_c_interrupts_at_once():
+def test_a_second_ctrl_c_interrupts_at_once(handlers_kept):
     with pytest.raises(KeyboardInterrupt), StopRequest(60) as request:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
