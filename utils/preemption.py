@@ -25,7 +25,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
     """For DataLoader workers: leave the signals to the trainer (Slurm signals every process of a step;
-    a worker that died of SIGTERM would fail the trainer's last fetch). Workers exit with their parent."""
+    a worker that died of SIGTERM would fail the trainer's last fetch). Workers exit with their rank
+    (utils/data/batching.py `start_worker`)."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 

@@ -210,7 +210,21 @@ class Trainer:
 
     def fit(self) -> int:
         """Train to max_steps (or stop_at_step). Returns the exit status: 0, or EXIT_PREEMPTED when a stop
-        signal arrived and the checkpoint of the step reached is written (utils/preemption.py)."""
+        signal arrived and the checkpoint of the step reached is written (utils/preemption.py). Whatever
+        way it ends (a return, a stop, an exception), the data workers end with it (`Loaders.close`)."""
+        request = StopRequest(self.tc.preempt_deadline_s)
+        watchdog = StepWatchdog(self.tc.hang_timeout_s, self.run_dir, self.grid.global_rank)
+        try:
+            with request, watchdog:
+                self.watchdog = watchdog
+                return self.run_loop(request)
+        finally:
+            count_compiled(True)
+            if self.loaders is not None:
+                self.loaders.close()
+
+    def run_loop(self, request: StopRequest) -> int:
+        """fit's loop."""
         if self.step >= self.tc.max_steps:
             self.log.info(f"run.dir already holds a finished run at step {self.step}; nothing to do "
                           "(set trainer.resume=never or another run.tag to start over)")
@@ -219,36 +233,34 @@ class Trainer:
         batches = self.train_batches()
         self.model.train()
         stop = min(self.tc.max_steps, self.tc.stop_at_step or self.tc.max_steps)
-        watchdog = StepWatchdog(self.tc.hang_timeout_s, self.run_dir, self.grid.global_rank)
-        with StopRequest(self.tc.preempt_deadline_s) as request, watchdog:
-            self.watchdog = watchdog
-            if self.step == 0 and self.tc.val_at_start:  # the untrained model's point on the val curves
-                self.watchdog.phase("validation")
-                self.validate()
-            notice = self.progress.first_step_notice(self.step + 1)
-            while self.step < stop:
-                with self.profiler.step(self.step + 1, self.tb):  # a whole step, data included
-                    stopping = self.fit_step(batches, request)
-                if notice is not None:  # the first step ended: no "still running" line any more
-                    notice.cancel()
-                if not stopping and self.at_boundary(stop):  # validation/checkpoint: every step read first
-                    stopping = self.read_results(flush=True)
-                if stopping:
-                    self.read_results(flush=True)
-                    self.watchdog.phase("checkpoint")
-                    path = self.save_checkpoint(background=False)
-                    self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
-                                          f"{EXIT_PREEMPTED} (run the same command again to continue)")
-                    self.tb.close()
-                    count_compiled(True)
-                    return EXIT_PREEMPTED
-                self.maybe_validate_and_save(stop)
-                self.background_save_done(wait=False)
-            self.watchdog.phase("checkpoint")
-            self.background_save_done(wait=True)
-        count_compiled(True)
+        if self.step == 0 and self.tc.val_at_start:  # the untrained model's point on the val curves
+            self.watchdog.phase("validation")
+            self.validate()
+        notice = self.progress.first_step_notice(self.step + 1)
+        while self.step < stop:
+            with self.profiler.step(self.step + 1, self.tb):  # a whole step, data included
+                stopping = self.fit_step(batches, request)
+            if notice is not None:  # the first step ended: no "still running" line any more
+                notice.cancel()
+            if not stopping and self.at_boundary(stop):  # validation/checkpoint: every step read first
+                stopping = self.read_results(flush=True)
+            if stopping:
+                self.read_results(flush=True)
+                self.watchdog.phase("checkpoint")
+                return self.exit_preempted(self.save_checkpoint(background=False))
+            self.maybe_validate_and_save(stop)
+            self.background_save_done(wait=False)
+        self.watchdog.phase("checkpoint")
+        self.background_save_done(wait=True)
         self.tb.close(finished=self.step == self.tc.max_steps)
         return 0
+
+    def exit_preempted(self, path: Path) -> int:
+        """The end of a run stopped by a signal with the complete checkpoint `path` of the step reached."""
+        self.progress.message(f"stop signal received: saved checkpoint {path}; exiting with status "
+                              f"{EXIT_PREEMPTED} (run the same command again to continue)")
+        self.tb.close()
+        return EXIT_PREEMPTED
 
     def fit_step(self, batches, request: StopRequest) -> bool:
         """Queue one optimizer step on the next global batch, then log the steps whose results are due

@@ -8,6 +8,10 @@ on dp, tp, cp, pp or order, and a resumed run continues from its step with no sa
 The ranks of one tp x cp group train on the same samples: only the group's first rank reads them (its
 loader and workers exist, the others' do not) and `SharedBatches` broadcasts each batch over the group,
 so the file system sees one read per group, not t x c.
+
+Worker processes end with their rank, however it ends: `Loaders.close` (every exit path of
+`Trainer.fit`) stops them, and each worker watches its rank's pid (`start_worker`), since a worker
+that ignores the stop signals and whose parent is the forkserver outlives a rank killed by SIGKILL.
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
+import os
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -67,6 +75,63 @@ def contiguous_part(n: int, rank: int, size: int) -> range:
 class Loaders:
     train: DataLoader | None  # None on the ranks that receive their training batches (SharedBatches)
     val: DataLoader | EvenBatches
+
+    def close(self) -> None:
+        """End the worker processes of both loaders now (a later `iter` starts new ones). Persistent workers
+        otherwise live until their iterator is garbage-collected, and one still referenced when the
+        interpreter exits (by a traceback, a caller) leaves multiprocessing's exit handler joining workers
+        that ignore its SIGTERM: the process never exits."""
+        for loader in (self.train, self.val.loader if isinstance(self.val, EvenBatches) else self.val):
+            if loader is not None:
+                stop_workers(loader)
+
+
+def stop_workers(loader: DataLoader) -> None:
+    """Shut down the workers of `loader`'s persistent iterator, killing those that do not leave in time."""
+    iterator, loader._iterator = loader._iterator, None  # torch keeps the persistent iterator there
+    workers = getattr(iterator, "_workers", [])  # a multi-process iterator's worker processes
+    if hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()  # the end-of-work message, then a join with a timeout
+    for worker in workers:
+        if worker.is_alive():  # still there: its terminate() is a SIGTERM, which workers ignore
+            worker.kill()
+            worker.join(timeout=5)
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), or None if it is gone or a zombie (Linux
+    /proc; elsewhere 0 while the pid exists)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # the name may hold spaces
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc here
+        try:
+            os.kill(pid, 0)
+            return 0
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return 0
+    return None if fields[0] in "ZXx" else int(fields[19])  # state; starttime is field 22 of stat
+
+
+def exit_with(pid: int, poll_s: float = 0.5) -> None:
+    """Exit this process (at once, no clean-up) once process `pid` has ended or become a zombie; a pid
+    taken by a new process (another start time) counts as ended."""
+    born = process_start_time(pid)
+    while born is not None and process_start_time(pid) == born:
+        time.sleep(poll_s)
+    os._exit(0)
+
+
+def start_worker(rank_pid: int, worker_id: int) -> None:
+    """worker_init_fn: leave the stop signals to the rank, and end with the rank `rank_pid`. The parent of a
+    forkserver worker is the forkserver, which lives as long as its workers (each holds the descriptor
+    whose closing ends the server), so neither a parent-death signal nor torch's parent check ever fires
+    when the rank dies: a thread watches the rank itself."""
+    ignore_stop_signals(worker_id)
+    threading.Thread(target=exit_with, args=(rank_pid,), name="exit-with-rank", daemon=True).start()
 
 
 class SharedBatches:
@@ -156,8 +221,9 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
             multiprocessing.resource_tracker.ensure_running()
             if worker_start == "forkserver":
                 multiprocessing.forkserver.ensure_running()
+    init = partial(start_worker, os.getpid())
     workers = {"num_workers": num_workers, "pin_memory": pin_memory, "persistent_workers": num_workers > 0,
-               "worker_init_fn": ignore_stop_signals if num_workers > 0 else None, "multiprocessing_context": context}
+               "worker_init_fn": init if num_workers > 0 else None, "multiprocessing_context": context}
     if num_workers > 0:
         workers["prefetch_factor"] = 4
     # Own generators: worker seeds never draw from the global RNG, which dropout uses (exact resume)
@@ -167,7 +233,7 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
     val_workers = min(num_workers, 2)
     val = DataLoader(val_part, batch_size=max(1, global_batch_size // dp_size), shuffle=False,
                      num_workers=val_workers, pin_memory=pin_memory, persistent_workers=val_workers > 0,
-                     worker_init_fn=ignore_stop_signals if val_workers > 0 else None,
+                     worker_init_fn=init if val_workers > 0 else None,
                      multiprocessing_context=multiprocessing.get_context(worker_start) if val_workers > 0 else None,
                      generator=torch.Generator().manual_seed(seed))
     if even_val_batches:  # as many validation batches on every dp rank (see EvenBatches)

