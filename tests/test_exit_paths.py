@@ -172,3 +172,32 @@ def test_a_killed_data_worker_ends_the_run(tmp_path, era5_root, jobs):
     assert "exited unexpectedly" in job.output
     assert not left_after(job.marker, 5)
 
+
+@pytest.fixture
+def handlers_kept():
+    """The stop signals' handlers as they were before the test (a stop leaves them ignored), put back after."""
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def test_a_stop_signal_in_the_last_step_changes_nothing(tmp_path, era5_root, handlers_kept):
+    """SIGTERM during step 2 of 3: step 3 begins with the stop, and being the last it ends the run as usual:
+    final validation, checkpoint, status 0 (before: 75 and no validation, and a rerun had nothing to do)."""
+    from tests.test_precision import make_trainer
+
+    trainer = make_trainer(tmp_path, f"data.root={era5_root}", *TINY, "trainer.max_steps=3", "trainer.val_every=0",
+                           "trainer.ckpt_every=0")
+    forwards = []
+
+    def signal_in_step_2(module, args):
+        forwards.append(None)
+        if len(forwards) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.raw_model.register_forward_pre_hook(signal_in_step_2)
+    assert trainer.fit() == 0
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000003"
+    assert [step for step, _ in read_scalars(tmp_path)["val/loss"]] == [3]
+

@@ -224,7 +224,8 @@ class Trainer:
                 self.loaders.close()
 
     def run_loop(self, request: StopRequest) -> int:
-        """fit's loop."""
+        """fit's loop. A stop signal in the step that reaches max_steps changes nothing: the run validates,
+        saves and ends with 0 like any finished run (a requeued job would find nothing to do)."""
         if self.step >= self.tc.max_steps:
             self.log.info(f"run.dir already holds a finished run at step {self.step}; nothing to do "
                           "(set trainer.resume=never or another run.tag to start over)")
@@ -246,8 +247,9 @@ class Trainer:
                 stopping = self.read_results(flush=True)
             if stopping:
                 self.read_results(flush=True)
-                self.watchdog.phase("checkpoint")
-                return self.exit_preempted(self.save_checkpoint(background=False))
+                if self.step < self.tc.max_steps:  # at max_steps a stop changes nothing
+                    self.watchdog.phase("checkpoint")
+                    return self.exit_preempted(self.save_checkpoint(background=False))
             self.maybe_validate_and_save(stop)
             self.background_save_done(wait=False)
         self.watchdog.phase("checkpoint")
