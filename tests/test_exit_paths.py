@@ -201,3 +201,20 @@ def test_a_stop_signal_in_the_last_step_changes_nothing(tmp_path, era5_root, han
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000003"
     assert [step for step, _ in read_scalars(tmp_path)["val/loss"]] == [3]
 
+
+def test_a_stop_signal_during_set_up_exits_75_and_the_same_command_continues(tmp_path, era5_root, jobs):
+    """SIGUSR1 (Slurm's notice) while a fresh run sets up, SIGTERM while the same command resumes: each exits 75
+    without taking a step, with a complete checkpoint (step 0; then the same one, not lost), and the same
+    command then trains to the end (before: both died of the signal, -10 and -15, with no checkpoint)."""
+    args = [f"data.root={era5_root}", f"run.dir={tmp_path}", *TINY, "trainer.max_steps=2", "trainer.val_every=0",
+            "trainer.ckpt_every=0"]
+    latest = tmp_path / "checkpoints" / "latest"
+    for sig, line in ((signal.SIGUSR1, "starting from step 0"), (signal.SIGTERM, "resuming from")):
+        jobs.append(job := Job(args, signal_on=(line, sig)))
+        assert job.wait(120) == EXIT_PREEMPTED, job.output[-3000:]
+        assert "step 1/" not in job.output and latest.read_text() == "step_0000000"
+        assert (latest.parent / "step_0000000" / "COMPLETE").is_file()
+    jobs.append(job := Job(args))
+    assert job.wait(120) == 0, job.output[-3000:]
+    assert "resumed from" in job.output and "step 2/2" in job.output
+    assert latest.read_text() == "step_0000002"

@@ -46,6 +46,18 @@ def test_handlers_restored_without_a_stop(handlers_kept):
     assert {sig: signal.getsignal(sig) for sig in SIGNALS} == handlers_kept
 
 
+def test_a_request_installed_in_set_up_is_entered_again_by_fit(handlers_kept):
+    """build_run installs the request, fit enters the same one: a signal between the two is kept, and the
+    exit puts back the handlers from before set-up (utils/build.py, utils/trainer.py)."""
+    request = StopRequest(60).__enter__()
+    os.kill(os.getpid(), signal.SIGUSR1)  # during set-up
+    time.sleep(0.05)
+    with request:
+        assert request.signum == signal.SIGUSR1 and signal.getsignal(signal.SIGTERM) == request._handle
+    assert signal.getsignal(signal.SIGINT) == handlers_kept[signal.SIGINT]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # stopping: srun's SIGTERM must not kill it
+
+
 def test_a_second_ctrl_c_interrupts_at_once(handlers_kept):
     with pytest.raises(KeyboardInterrupt), StopRequest(60) as request:
         os.kill(os.getpid(), signal.SIGINT)

@@ -116,23 +116,34 @@ def resume_run_dir(resume: str, run_dir: Path) -> Path | None:
 
 
 def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer:
-    """Everything train.py does before fitting: validate against the data and the launch, then build."""
-    sizes = check_grid(cfg.parallel)  # the one resolution of the axis sizes for this launch
-    task = build_task(cfg)  # inspects the data: every data error is raised before distributed work
-    microbatches = pipeline_plan(cfg).microbatches if sizes[Axis.PP] > 1 else 1
-    check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps, len(task.train_set),
-                microbatches)
-    run_dir = run_dir_for(cfg, choices, config_yaml, layout_name(sizes, parse_order(cfg.parallel.order)))
-    previous = resume_run_dir(cfg.trainer.resume, run_dir)
-    if previous is not None:
-        check_resumable(previous, config_yaml)
-    prepare_run_dir(run_dir)
-    grid = init_grid(cfg.parallel, sizes)
-    log = setup_logging(run_dir, grid.is_main)
-    if (warning := restart_warning()) is not None:
-        log.warning(warning)
-    trainer = build_trainer(cfg, task, grid, log, run_dir)
-    start_run(trainer, config_yaml)
+    """Everything train.py does before fitting: validate against the data and the launch, then build.
+
+    Stop signals are recorded from the first line on (a notice ahead of a time limit can arrive during a
+    long checkpoint load or data preparation); the trainer's `fit` acts on them before its first step."""
+    from utils.preemption import StopRequest
+
+    request = StopRequest(cfg.trainer.preempt_deadline_s).__enter__()
+    try:
+        sizes = check_grid(cfg.parallel)  # the one resolution of the axis sizes for this launch
+        task = build_task(cfg)  # inspects the data: every data error is raised before distributed work
+        microbatches = pipeline_plan(cfg).microbatches if sizes[Axis.PP] > 1 else 1
+        check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps,
+                    len(task.train_set), microbatches)
+        run_dir = run_dir_for(cfg, choices, config_yaml, layout_name(sizes, parse_order(cfg.parallel.order)))
+        previous = resume_run_dir(cfg.trainer.resume, run_dir)
+        if previous is not None:
+            check_resumable(previous, config_yaml)
+        prepare_run_dir(run_dir)
+        grid = init_grid(cfg.parallel, sizes)
+        log = setup_logging(run_dir, grid.is_main)
+        if (warning := restart_warning()) is not None:
+            log.warning(warning)
+        trainer = build_trainer(cfg, task, grid, log, run_dir)
+        start_run(trainer, config_yaml)
+    except BaseException:
+        request.__exit__(None, None, None)  # the caller's handlers back (an in-process caller, a sweep)
+        raise
+    trainer.stop_request = request
     return trainer
 
 

@@ -47,12 +47,17 @@ class StopRequest:
     """Context manager that installs the handlers (main thread only) and restores the previous ones; after
     a stop was requested it leaves SIGTERM, SIGUSR1 and SIGHUP ignored instead: the process is on its way
     out with EXIT_PREEMPTED, and the SIGTERM srun sends the other ranks of a job step once the first one
-    has exited (--kill-on-bad-exit) must not turn their 75 into death by signal (143)."""
+    has exited (--kill-on-bad-exit) must not turn their 75 into death by signal (143).
+
+    A run installs it first thing in set-up (`utils.build.build_run`, before the grid, the data and the
+    checkpoint load, which can take minutes) and `Trainer.fit` enters the same one: entering an installed
+    request changes nothing, and a signal received during set-up is acted on before the first step."""
 
     def __init__(self, deadline_s: float):
         self.deadline_s = deadline_s
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._installed = False
         self._timer: threading.Timer | None = None
 
     @property
@@ -60,8 +65,9 @@ class StopRequest:
         return self.signum is not None
 
     def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
+        if not self._installed and threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+            self._installed = True
         return self
 
     def __exit__(self, *exc) -> None:
@@ -69,6 +75,7 @@ class StopRequest:
             self._timer.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, signal.SIG_IGN if self.requested and sig != signal.SIGINT else handler)
+        self._previous, self._installed = {}, False
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested and signum == signal.SIGINT:

@@ -59,6 +59,7 @@ class Trainer:
         self.flops_per_sample = built.flops_per_sample
         self.skipped_steps, self.consecutive_skips = 0, 0  # trainer.nonfinite=skip
         self.stop_requested = False  # a stop signal on this rank when the next step begins
+        self.stop_request: StopRequest | None = None  # the handlers build_run installed, for fit to act on
         self.flags = torch.zeros(2, device=self.device)  # the last step's agreed [non-finite, stop] (0/1, device)
         self.results = StepResults(self.device)  # step scalars on their way to the host (utils/step_results.py)
         self.watchdog = StepWatchdog(0, run_dir, grid.global_rank)  # off outside fit (e.g. the benchmark)
@@ -212,7 +213,7 @@ class Trainer:
         """Train to max_steps (or stop_at_step). Returns the exit status: 0, or EXIT_PREEMPTED when a stop
         signal arrived and the checkpoint of the step reached is written (utils/preemption.py). Whatever
         way it ends (a return, a stop, an exception), the data workers end with it (`Loaders.close`)."""
-        request = StopRequest(self.tc.preempt_deadline_s)
+        request, self.stop_request = self.stop_request or StopRequest(self.tc.preempt_deadline_s), None
         watchdog = StepWatchdog(self.tc.hang_timeout_s, self.run_dir, self.grid.global_rank)
         try:
             with request, watchdog:
@@ -231,6 +232,8 @@ class Trainer:
                           "(set trainer.resume=never or another run.tag to start over)")
             return 0
         self.log.info(f"training from step {self.step} to {self.tc.max_steps}")
+        if (saved := self.stop_before_start(request)) is not None:
+            return self.exit_preempted(saved)
         batches = self.train_batches()
         self.model.train()
         stop = min(self.tc.max_steps, self.tc.stop_at_step or self.tc.max_steps)
@@ -256,6 +259,21 @@ class Trainer:
         self.background_save_done(wait=True)
         self.tb.close(finished=self.step == self.tc.max_steps)
         return 0
+
+    def stop_before_start(self, request: StopRequest) -> Path | None:
+        """A stop signal received during set-up (build_run installs the handlers first thing), agreed by every
+        rank before any step: the checkpoint of the step reached, written now unless this run's own
+        checkpoint of that step exists (a resumed run: nothing to add); None without a stop. The run
+        takes no step: a first step can take minutes (compilation), more than a notice ahead of a
+        time limit gives, and a fresh run's step-0 checkpoint is its seeded initial state."""
+        path = self.checkpointer.step_dir(self.step)
+        flags = torch.tensor([float(request.requested), float(not self.checkpointer.is_complete(path))],
+                             device=self.device)
+        stop, missing = all_reduce_(flags, self.grid.world, "max").tolist()  # every rank takes the same branch
+        if not stop:
+            return None
+        self.watchdog.phase("checkpoint")
+        return self.save_checkpoint(background=False) if missing else path
 
     def exit_preempted(self, path: Path) -> int:
         """The end of a run stopped by a signal with the complete checkpoint `path` of the step reached."""
