@@ -10,10 +10,22 @@ full model's), so per-rank bytes fall as 1/(dp x tp).
 
 Gradient convention (as DDP's hook here): summed over cp (each cp rank's loss covers only its own tokens
 of the same sequences) and averaged over dp, by reduce-scattering in fp32 and dividing by dp
-(`set_gradient_divide_factor`; on gloo as a sum and a division). bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
-(compute in bf16, reduce and keep the fp32 master weights). The gradient norm (distributed/grad_norm.py)
+(`set_gradient_divide_factor`; on gloo as a sum and a division). The gradient norm (distributed/grad_norm.py)
 sums each sharded gradient's squares over this mesh once; checkpoints (distributed/sharded_state.py) save
 these DTensors as they are, or, under tp, gathered to the tp shard and resharded on load.
+
+Precision: FSDP's policy casts nothing (`MixedPrecisionPolicy(reduce_dtype=fp32)` for every mode); bf16
+comes from the trainer's autocast, exactly as under DDP. So FSDP bf16 trains the same recipe as DDP bf16
+(equal losses up to reduction order): matmuls in bf16, while the residual stream, the layer norms, the
+embeddings and every gradient stay fp32, and a block returns the dtype it was given, which the pipeline
+declares between its stages (distributed/pipeline/stages.py). The cost: the gathers move fp32 weights
+(twice the bytes of a bf16 gather) and autocast casts each gathered weight per use. The alternatives
+were measured and rejected (vit_tiny depth 2, 8 steps, dp2: DDP 0.49642, fp32 policy 0.49642):
+`param_dtype=bf16` casts each block's input, so the residual stream is bf16 (0.49675) and so is a
+stage's output (the next stage read those bytes as fp32: garbage, 0.85). `cast_forward_inputs=False`
+feeds the fp32 stream to bf16 layer-norm weights, which CPU layer_norm refuses ("mixed dtype (CPU):
+expect parameter to have scalar type of Float") and which round the norms' weights anyway;
+`output_dtype=fp32` keeps the stream bf16 inside each block and hits the same error at the final norm.
 
 Under pipeline parallelism only the blocks are sharded (the stages call the cut model's blocks and ends
 directly, so a root's forward would never run): each block is its own FSDP root, reduce-scattering after
@@ -49,14 +61,15 @@ def fsdp_mesh(grid: Grid) -> DeviceMesh:
 def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard_after_forward: bool,
                         pipeline: bool = False) -> nn.Module:
     """fully_shard every block and the root over dp x cp; `model` itself (now an FSDPModule) is returned.
+    `precision` does not change the policy (autocast computes in bf16; see the module docstring).
     `pipeline`: `model` is this rank's cut of the pipeline, whose stages call its blocks and ends
     directly (the root's forward never runs): only the blocks are sharded, each its own FSDP root; the
     ends stay replicated and the pipeline's dp reduction covers them (distributed/pipeline/schedule.py)."""
     if grid.axis(Axis.DP, Axis.CP).size == 1:
         return model
     mesh = fsdp_mesh(grid)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if precision == "bf16" else MixedPrecisionPolicy()
+    # no param_dtype whatever `precision`: autocast does the casting, as under DDP (module docstring)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for block in model.blocks.children():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     if not pipeline:

@@ -27,7 +27,7 @@ from torch import nn
 from distributed.collectives import all_reduce_, broadcast_, recv, send
 from distributed.data_parallel import sum_grads
 from distributed.pipeline.plan import SCHEDULES, PipelinePlan
-from distributed.pipeline.stages import CountedStage, enter_regions
+from distributed.pipeline.stages import CountedStage, StageModule
 from utils.comm import Axis, Grid
 from utils.errors import ConfigError
 
@@ -111,7 +111,7 @@ class PipelineForward:
     returns the model's output on the ranks of the last stage and None elsewhere. Other attributes
     (cfg, criterion, context_shards, eval, ...) are the rank's model's."""
 
-    def __init__(self, model: nn.Module, stages: list[nn.Module], plan: PipelinePlan, grid: Grid):
+    def __init__(self, model: nn.Module, stages: list[StageModule], plan: PipelinePlan, grid: Grid):
         self._model, self._stages, self._plan = model, {s.index: s for s in stages}, plan
         self._pp, self._device = grid.axis(Axis.PP), grid.device
 
@@ -121,14 +121,13 @@ class PipelineForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         plan, me = self._plan, self._pp.rank
         length, carry, out = self._model.num_tokens(x), None, None
-        local = enter_regions(self._model, length, self._device)
         for s in range(plan.num_stages):
             if plan.stage_rank(s) != me:
                 continue
             stage = self._stages[s]
             stage.length = length
-            if s > 0 and plan.stage_rank(s - 1) != me:
-                carry = recv((x.shape[0], local, self._model.cfg.embed_dim), torch.float32, self._device,
+            if s > 0 and plan.stage_rank(s - 1) != me:  # the sender's stage checked its output against these
+                carry = recv(stage.activation_shape(x.shape[0], self._device), stage.activation_dtype, self._device,
                              self._pp, plan.stage_rank(s - 1))
             carry = stage(x if s == 0 else carry)
             if stage.is_last:

@@ -12,6 +12,9 @@
   its blocks and, on the first and last stage, the ends it runs, registered under the same names.
   A stage that starts inside the sequence-split region first tells the region's layouts the full
   sequence length (`enter_regions`), as the 'enter' marker does on the first stage.
+  Between stages travels the residual stream, (B, N_local, C) in `StageModule.activation_dtype`, the one
+  declaration the torch stages' buffers and `PipelineForward`'s receives use; a non-last stage whose
+  output differs raises (the receiver would otherwise read its bytes as the declared dtype, silently).
 - `CountedStage`: torch's `PipelineStage` given static shapes (no shape-inference pass), counting the
   activation and gradient bytes it sends on the pp axis and the seconds it computes (for the bubble).
 
@@ -80,9 +83,14 @@ def head_tokens(model: nn.Module, length: int) -> int:
 class StageModule(nn.Module):
     """Stage `index` of a cut model: its blocks and the model's ends it runs, under their global names.
 
-    `length` (tokens of the full sequence) must be set before a stage other than the first runs.
+    `length` (tokens of the full sequence) must be set before the stage runs.
     `autocast`: the context its forward runs in (the loss is computed outside, in float32).
     """
+
+    # The residual stream stays in the fp32 weights' dtype under every precision: autocast computes the
+    # matmuls in bf16/fp16 and adds their outputs to the fp32 stream, and FSDP's policy casts nothing
+    # (distributed/fsdp.py). The one declaration of what stages exchange.
+    activation_dtype: torch.dtype = torch.float32
 
     def __init__(self, model: nn.Module, index: int, plan: PipelinePlan, autocast):
         super().__init__()
@@ -98,16 +106,27 @@ class StageModule(nn.Module):
                 setattr(self, name, value)
         self._model = (model,)  # not a submodule: its other parts belong to other stages
 
+    def activation_shape(self, batch: int, device: torch.device) -> tuple[int, int, int]:
+        """(B, N_local, C) of the activations this stage receives or sends for `batch` samples of `length`
+        tokens; fixes the split region's layouts for `length` on the way."""
+        model = self._model[0]
+        return batch, enter_regions(model, self.length, device), model.cfg.embed_dim
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model = self._model[0]
+        shape = self.activation_shape(x.shape[0], x.device)
         with self.autocast():
             if self.is_first:
                 x = getattr(model, self.first_part)(x)
-            else:
-                enter_regions(model, self.length, x.device)
             for block in self.blocks.values():
                 x = block(x)
-            return getattr(model, self.last_part)(x) if self.is_last else x
+            if self.is_last:
+                return getattr(model, self.last_part)(x)
+        if x.dtype != self.activation_dtype or tuple(x.shape) != shape:
+            raise RuntimeError(f"pipeline stage {self.index} returns a {x.dtype} {tuple(x.shape)} tensor where the "
+                               f"stages exchange {self.activation_dtype} {shape}: a layer changed the residual "
+                               "stream's dtype or shape (the next stage would misread it)")
+        return x
 
 
 class CountedStage(PipelineStage):
@@ -174,17 +193,16 @@ def build_stages(model: nn.Module, plan: PipelinePlan, *, axis: AxisGroup, examp
     """This rank's torch stages, with static shapes for one microbatch like `example` (meta is fine)."""
     device = next(model.parameters()).device
     mb = example.shape[0]
-    # requires_grad: activations between stages carry gradients back (the first stage's input does not)
-    hidden = torch.empty(mb, enter_regions(model, length, device), model.cfg.embed_dim, device="meta",
-                         requires_grad=True)
-    output, indices = None, plan.stages_of(axis.rank)
-    if plan.num_stages - 1 in indices:  # the model's output (torch neither sends nor checks it)
-        output = torch.empty(model.output_shape(mb, head_tokens(model, length)), dtype=out_dtype, device="meta",
-                             requires_grad=True)
     stages = []
-    for index in indices:
+    for index in plan.stages_of(axis.rank):
         module = StageModule(model, index, plan, autocast)
         module.length = length
+        # requires_grad: activations between stages carry gradients back (the first stage's input does not)
+        hidden = torch.empty(module.activation_shape(mb, device), dtype=module.activation_dtype, device="meta",
+                             requires_grad=True)
+        if module.is_last:  # the model's output (torch neither sends nor checks it); cp's layout fixed above
+            output = torch.empty(model.output_shape(mb, head_tokens(model, length)), dtype=out_dtype,
+                                 device="meta", requires_grad=True)
         stages.append(CountedStage(module, index, plan.num_stages, device, axis=axis,
                                    input_args=example if index == 0 else hidden,
                                    output_args=output if module.is_last else hidden, group=axis.group))
