@@ -1,10 +1,10 @@
 """Gradient synchronization across replicas: DDP over dp x cp, and partial gradients over tp.
 
-- `wrap_data_parallel` wraps the model in torch DDP over `grid.axis('dp', 'cp')`, the ranks that hold
+- `wrap_data_parallel` wraps the model in torch DDP over `grid.replicas` (dp x cp), the ranks that hold
   the same weights for every weight, with a comm hook that all-reduces each gradient bucket, divided
-  by dp: summed over cp (each cp rank's gradient covers only its own tokens of the same loss, see
-  distributed/context/parallelize.py) and averaged over dp (each dp rank has other samples). It
-  records 2(d-1)/d x bucket bytes on that axis (ring all-reduce, d = dp x cp).
+  by the size of `grid.batch` (dp): summed over cp (each cp rank's gradient covers only its own tokens of
+  the same loss, see distributed/context/parallelize.py) and averaged over dp (each dp rank has other
+  samples). It records 2(d-1)/d x bucket bytes on that axis (ring all-reduce, d = dp x cp).
 - `sync_partial_grads` sums over tp the gradients that layers declare partial (`partial_grad_axes` and
   `partial_grad_params()` of `distributed/tensor/layers.py`: LayerNorms and row-parallel biases under
   sequence parallelism, whose ranks each saw only their own tokens), in one coalesced all-reduce per axis.
@@ -27,40 +27,40 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed.collectives import all_reduce_coalesced_, nbytes, ring_bytes
 from distributed.counting import record
-from utils.comm import Axis, AxisGroup, Grid
+from utils.comm import AxisGroup, Grid
 
 
 def _allreduce_mean_hook(state, bucket):
     """DDP comm hook: all-reduce one flat gradient bucket (dist.GradBucket) over `axis` and divide it by
-    `dp` (state = (AxisGroup, dp)), counting its ring volume; returns a Future of the reduced buffer.
+    `parts` (state = (grid.replicas, grid.batch's size)), counting its ring volume; returns a Future of the reduced buffer.
 
     Unannotated on purpose: DDP compares the annotations with dist.GradBucket and torch.futures.Future
     objects, which `from __future__ import annotations` would turn into strings.
     """
-    axis, dp = state
+    axis, parts = state
     buffer = bucket.buffer()
     record(axis, ring_bytes("all_reduce", nbytes(buffer), axis.size))
-    buffer.div_(dp)
+    buffer.div_(parts)
     work = dist.all_reduce(buffer, group=axis.group, async_op=True)
     return work.get_future().then(lambda fut: buffer)  # reduced in place (also under a fake group: the planner)
 
 
 def wrap_data_parallel(model: nn.Module, *, grid: Grid, bucket_cap_mb: float = 25.0) -> nn.Module:
-    """DDP over grid.axis('dp', 'cp') when it has more than one rank, else `model` itself.
+    """DDP over grid.replicas when it has more than one rank, else `model` itself.
 
     Collectives: one all-reduce (mean) per gradient bucket in backward, overlapped with it. At
     construction DDP checks parameter shapes and broadcasts the weights from the group's first rank.
     Buffers are not broadcast each forward (`broadcast_buffers=False`): the models' only buffers are
     constant rotary tables, identical on every rank, and the broadcast would be uncounted traffic.
     """
-    axis = grid.axis(Axis.DP, Axis.CP)
+    axis = grid.replicas
     if axis.size == 1:
         return model
     device = grid.device
     ddp = DistributedDataParallel(model, process_group=axis.group, bucket_cap_mb=bucket_cap_mb,
                                   device_ids=[device] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True, broadcast_buffers=False)
-    ddp.register_comm_hook((axis, grid.axis(Axis.DP).size), _allreduce_mean_hook)
+    ddp.register_comm_hook((axis, grid.batch.size), _allreduce_mean_hook)
     return ddp
 
 

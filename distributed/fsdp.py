@@ -2,14 +2,14 @@
 over the ranks that hold the same weights (dp x cp), instead of DDP's full replicas.
 
 `shard_data_parallel` applies torch's `fully_shard` to every transformer block, then to the root (which
-keeps the embeddings and the head), on a 1-D mesh over grid.axis('dp', 'cp'). Parameters become DTensors
+keeps the embeddings and the head), on a 1-D mesh over grid.replicas. Parameters become DTensors
 sharded on dim 0 over that mesh: all-gathered before each block's forward (and again in backward when
 `reshard_after_forward`), their gradients reduce-scattered after its backward. Tensor parallelism runs
 inside, unchanged: a tp-sharded weight is FSDP-sharded as its local tp shard (the gradients equal the
 full model's), so per-rank bytes fall as 1/(dp x tp).
 
 Gradient convention (as DDP's hook here): summed over cp (each cp rank's loss covers only its own tokens
-of the same sequences) and averaged over dp, by reduce-scattering in fp32 and dividing by dp
+of the same sequences) and averaged over dp, by reduce-scattering in fp32 and dividing by grid.batch's size
 (`set_gradient_divide_factor`; on gloo as a sum and a division). The gradient norm (distributed/grad_norm.py)
 sums each sharded gradient's squares over this mesh once; checkpoints (distributed/sharded_state.py) save
 these DTensors as they are, or, under tp, gathered to the tp shard and resharded on load.
@@ -48,14 +48,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from utils.comm import Axis, Grid
+from utils.comm import Grid
 
 
 def fsdp_mesh(grid: Grid) -> DeviceMesh:
-    """The 1-D mesh over grid.axis('dp', 'cp') (flattened from the grid's mesh when both are > 1)."""
-    names = tuple(a.value for a in sorted((Axis.DP, Axis.CP), key=lambda a: -grid.order.index(a))
-                  if grid.size(a) > 1)
-    return grid.mesh[names[0]] if len(names) == 1 else grid.mesh[names]._flatten("_".join(reversed(names)))
+    """The 1-D mesh over grid.replicas (flattened from the grid's mesh when it spans several axes)."""
+    return grid.replica_mesh
 
 
 def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard_after_forward: bool,
@@ -65,7 +63,7 @@ def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard
     `pipeline`: `model` is this rank's cut of the pipeline, whose stages call its blocks and ends
     directly (the root's forward never runs): only the blocks are sharded, each its own FSDP root; the
     ends stay replicated and the pipeline's dp reduction covers them (distributed/pipeline/schedule.py)."""
-    if grid.axis(Axis.DP, Axis.CP).size == 1:
+    if grid.replicas.size == 1:
         return model
     mesh = fsdp_mesh(grid)
     # no param_dtype whatever `precision`: autocast does the casting, as under DDP (module docstring)
@@ -76,7 +74,7 @@ def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(float(grid.size(Axis.DP)))
+            module.set_gradient_divide_factor(float(grid.batch.size))
             # a factor other than the group size is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide
             module.set_force_sum_reduction_for_comms(grid.device.type == "cpu")
     return model

@@ -52,7 +52,7 @@ def grad_norm(model: nn.Module, *, grid: Grid, skip: set[int] = frozenset()) -> 
     """The L2 norm of the full (unsharded) gradient, identical on every rank. Under pipeline parallelism
     each pp rank holds other parameters: their squares are summed over pp; `skip` (parameter ids)
     leaves out copies another pp rank counts (a tied embedding's second copy)."""
-    replicated, sharded = _squares(model, skip, grid.axis(Axis.DP, Axis.CP))
+    replicated, sharded = _squares(model, skip, grid.replicas)
     total = replicated if replicated is not None else torch.zeros((), device=grid.device)
     for axes, sq in sharded.values():
         for axis in axes:

@@ -1,7 +1,7 @@
 """Dropout on sharded activations: one random stream per shard (Megatron's RNG tracker, reworked).
 
-Every rank's default generator is seeded per data-parallel replica (`utils.build.build_model`), so the
-ranks of a model-parallel group (tp today; cp next) draw the same numbers. That is right for an
+Every rank's default generator is seeded per part of the batch (`grid.batch`) and pipeline rank
+(`utils.build.build_model`), so the ranks of a tp or cp group draw the same numbers. That is right for an
 activation replicated over the group (the embedding dropout, the dropout after a row-parallel linear
 without sequence parallelism): every rank must apply the same mask, or the replicas drift apart. It
 is wrong for a sharded one (attention heads split over tp, the sequence split under sequence
@@ -31,11 +31,11 @@ from torch import nn
 from utils.comm import Axis, AxisGroup, Grid
 
 def seed_default_stream(seed: int, grid: Grid, step: int = 0) -> int:
-    """Seed the default stream (torch and Python's `random`) for dropout, distinct per data-parallel
-    replica and pipeline rank and shared by the tp and cp ranks of a replica: at step 0 after setup, and at
+    """Seed the default stream (torch and Python's `random`) for dropout, distinct per rank of
+    `grid.batch` (other samples) and pipeline rank and shared by the tp and cp ranks of a replica: at step 0 after setup, and at
     `step` when a checkpoint of another layout is resumed (its per-rank states do not map onto this one's).
     Returns the seed."""
-    replica = grid.rank(Axis.DP) + grid.size(Axis.DP) * grid.rank(Axis.PP)
+    replica = grid.batch.rank + grid.batch.size * grid.rank(Axis.PP)
     value = seed * 1_000_003 + 1 + replica + step * 2**32
     torch.manual_seed(value)
     random.seed(value)

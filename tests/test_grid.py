@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_ranks
-from utils.comm import AXES, Axis, Grid, ParallelConfig, init_grid, parse_order, rank_layout, resolve_sizes
+from utils.comm import (AXES, Axis, Grid, ParallelConfig, batch_parts, init_grid, parse_order, rank_layout,
+                        resolve_sizes)
 from utils.errors import ConfigError
 
 
@@ -107,3 +108,28 @@ def test_layout_command_prints_pp_groups_and_the_blocks_of_every_stage(capsys):
     assert "pp rank 1: stage 1: block 2; stage 2: block 3" in out
     assert layout_main(["pp=4", "depth=3"]) == 2  # more stages than blocks: the one-line error, exit 2
     assert "(parallel.pp)" in capsys.readouterr().err
+
+
+def test_the_grid_names_its_concepts_in_one_process():
+    """Batch, replica, same-batch and metric groups of a serial grid are its free axes; `batch_parts` gives
+    the batch group's size from the sizes alone (before any grid exists)."""
+    grid = Grid.serial()
+    for group in (grid.batch, grid.replicas, grid.same_batch, grid.metrics):
+        assert group.size == 1 and group.rank == 0 and group.group is None
+    assert batch_parts({Axis.TP: 2, Axis.CP: 3, Axis.DP: 4, Axis.PP: 5}) == 4
+
+
+def _check_concepts(rank: int, world_size: int) -> None:
+    grid = init_grid(ParallelConfig(cp=2, order="dp-cp"))  # dp2 x cp2, dp nearest
+    layout = _layout(world_size, "dp-cp", cp=2)
+    mine = lambda groups: next(g for g in groups if rank in g)  # noqa: E731
+    assert grid.batch is grid.axis(Axis.DP) and grid.batch.ranks == mine(layout[Axis.DP])
+    assert grid.replicas is grid.axis(Axis.DP, Axis.CP) and grid.replicas.ranks == list(range(world_size))
+    assert grid.same_batch is grid.axis(Axis.TP, Axis.CP) and grid.same_batch.ranks == mine(layout[Axis.CP])
+    assert grid.metrics is grid.axis(Axis.DP, Axis.PP) and grid.metrics.ranks == mine(layout[Axis.DP])
+    mesh = grid.replica_mesh  # FSDP's 1-D mesh over the replicas: the same ranks, in the same order
+    assert mesh.ndim == 1 and dist.get_process_group_ranks(mesh.get_group()) == grid.replicas.ranks
+
+
+def test_init_grid_concepts_are_the_groups_their_rules_name(tmp_path):
+    run_ranks(_check_concepts, 4, tmp_path)

@@ -72,7 +72,7 @@ def time_steps(trainer, warmup: int, steps: int) -> tuple[float, list[float]]:
     """Seconds per Trainer.train_step on a random batch of the training shapes, after `warmup` steps, and
     under pipeline parallelism the measured bubble of every timed step."""
     grid = trainer.grid
-    x, y = trainer.task.example_batch(trainer.tc.global_batch_size // grid.size(Axis.DP), grid.device)
+    x, y = trainer.task.example_batch(trainer.tc.global_batch_size // grid.batch.size, grid.device)
     for _ in range(warmup):
         trainer.train_step(x, y)
     synchronize(grid.device)
@@ -184,7 +184,7 @@ def run(argv: list[str]) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(cfg, task, grid, logging.getLogger("dlscale"), Path(tmp))
         seconds, bubbles = time_steps(trainer, warmup, steps)
-        batch = trainer.tc.global_batch_size // trainer.grid.size(Axis.DP)
+        batch = trainer.tc.global_batch_size // trainer.grid.batch.size
         saved = saved_for_backward_bytes(trainer, *trainer.task.example_batch(batch, grid.device))
     peak = peak_memory_gib(grid.device)
     perf = trainer.throughput(seconds)

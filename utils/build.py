@@ -26,7 +26,7 @@ from distributed.pipeline.stages import build_stages, cut_for_rank
 from distributed.rng import seed_default_stream
 from distributed.tensor.parallelize import parallelize
 from utils.checkpoint import Checkpointer, names_own_step, resume_state
-from utils.comm import Axis, Grid, background_group, check_grid, init_grid, layout_name, parse_order
+from utils.comm import Axis, Grid, background_group, batch_parts, check_grid, init_grid, layout_name, parse_order
 from utils.config import Config
 from utils.data.batching import build_loaders, check_batch
 from utils.flops import mfu_absence, training_flops_per_sample
@@ -84,7 +84,7 @@ def pipeline_plan(cfg: Config) -> PipelinePlan:
 
 def build_pipeline(cfg: Config, task, grid: Grid, model: nn.Module, plan: PipelinePlan):
     """(Pipeline, PipelineForward) over this rank's stages of the cut `model`, with static shapes."""
-    parts = grid.size(Axis.DP) * cfg.trainer.grad_accum_steps * plan.microbatches
+    parts = grid.batch.size * cfg.trainer.grad_accum_steps * plan.microbatches
     example = task.example_batch(cfg.trainer.global_batch_size // parts, torch.device("meta"))[0]
     mode = cfg.precision.mode
     out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
@@ -127,7 +127,7 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
         sizes = check_grid(cfg.parallel)  # the one resolution of the axis sizes for this launch
         task = build_task(cfg)  # inspects the data: every data error is raised before distributed work
         microbatches = pipeline_plan(cfg).microbatches if sizes[Axis.PP] > 1 else 1
-        check_batch(cfg.trainer.global_batch_size, sizes[Axis.DP], cfg.trainer.grad_accum_steps,
+        check_batch(cfg.trainer.global_batch_size, batch_parts(sizes), cfg.trainer.grad_accum_steps,
                     len(task.train_set), microbatches)
         run_dir = run_dir_for(cfg, choices, config_yaml, layout_name(sizes, parse_order(cfg.parallel.order)))
         previous = resume_run_dir(cfg.trainer.resume, run_dir)
@@ -163,17 +163,17 @@ def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: P
 def start_run(trainer: Trainer, config_yaml: str) -> None:
     """Restore the checkpoint to resume from (if any), attach the loaders from its step, log the setup."""
     cfg, grid, task, log = trainer.cfg, trainer.grid, trainer.task, trainer.log
-    dp = grid.axis(Axis.DP)
+    batch = grid.batch
     state = resume_state(cfg.trainer.resume, trainer.checkpointer, trainer.checkpoint_destination, grid.device, log)
     if state is not None:
         trainer.restore(*state)
     trainer.loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
-                                    dp_rank=dp.rank, dp_size=dp.size, seed=cfg.trainer.seed,
+                                    dp_rank=batch.rank, dp_size=batch.size, seed=cfg.trainer.seed,
                                     start_step=trainer.step, num_workers=cfg.trainer.num_workers,
                                     worker_start=cfg.trainer.worker_start,
                                     pin_memory=grid.device.type == "cuda",
                                     even_val_batches=cfg.parallel.dp_mode == "fsdp",
-                                    read_train=grid.axis(Axis.TP, Axis.CP).rank == 0)  # see SharedBatches
+                                    read_train=grid.same_batch.rank == 0)  # see SharedBatches
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
     notes = [note] if (note := mfu_absence(grid.device, cfg.precision.mode)) is not None else []
@@ -195,6 +195,6 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
         log.info("on CPU/gloo, where each collective costs more than the bytes it moves, sequence parallelism's "
                  "2.6x as many collectives made a tp2 step 1.3x slower than parallel.sequence_parallel=false "
                  "(2026-11-22); set it false where activation memory allows")
-    share = grid.axis(Axis.TP, Axis.CP)
+    share = grid.same_batch
     log.info(f"data: {task.describe()}" + (f"; training batches read by one rank of each tp x cp group of "
                                             f"{share.size} and broadcast to the others" if share.size > 1 else ""))

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distributed.pipeline.plan import SCHEDULES, resolve_plan
 from utils.errors import ConfigError, require
-from utils.launch import LaunchEnv, launch_env, pick_device
+from utils.launch import LaunchEnv, launch_env, pick_device, ranks_needed
 
 
 class Axis(str, enum.Enum):
@@ -39,9 +39,12 @@ class Axis(str, enum.Enum):
 
 
 AXES = tuple(Axis)
+# The grid's concepts by the axes they span; Grid.batch, .replicas, .same_batch and .metrics state the rules.
+BATCH_AXES, REPLICA_AXES, SAME_BATCH_AXES = (Axis.DP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP)
+METRIC_AXES = BATCH_AXES + (Axis.PP,)
 # Every group any layer may use, created eagerly by init_grid (later creation on some ranks only would hang).
-GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), (Axis.DP,), (Axis.PP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP),
-                         (Axis.DP, Axis.PP), AXES)
+GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), (Axis.DP,), (Axis.PP,), BATCH_AXES, REPLICA_AXES, SAME_BATCH_AXES,
+                         METRIC_AXES, AXES)
 
 
 @dataclass
@@ -104,6 +107,12 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> dict[Axis, int]:
             f"launch a multiple of {model_parallel} ranks" + (f" ({dp * model_parallel if cfg.dp else ''})" if cfg.dp else "")
             + " or change the parallel sizes")
     return {Axis.TP: cfg.tp, Axis.CP: cfg.cp, Axis.DP: dp, Axis.PP: cfg.pp}
+
+
+def batch_parts(sizes: dict[Axis, int]) -> int:
+    """Into how many parts the global batch is split under these axis sizes (`Grid.batch`'s size, known
+    before any grid exists)."""
+    return math.prod(sizes[a] for a in BATCH_AXES)
 
 
 def rank_layout(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> dict[Axis, list[list[int]]]:
@@ -197,6 +206,36 @@ class Grid:
         self._pipeline_ends = axis
         if axis is not None:
             self._axes[axis.name] = axis  # counted with the other axes
+
+    @property
+    def batch(self) -> AxisGroup:
+        """The ranks that split the global batch (dp): each takes its own 1/size of every step's samples, so
+        losses and gradients are averaged over them (divided by its size)."""
+        return self.axis(*BATCH_AXES)
+
+    @property
+    def replicas(self) -> AxisGroup:
+        """The ranks that hold identical weights (dp x cp): gradients are reduced over them (summed over cp,
+        whose ranks share samples, divided by `batch`'s size) and FSDP shards weights and gradients over them."""
+        return self.axis(*REPLICA_AXES)
+
+    @property
+    def replica_mesh(self) -> DeviceMesh:
+        """The 1-D DeviceMesh over `replicas` (FSDP's): the grid mesh's dim, or its dims flattened."""
+        names = tuple(a.value for a in sorted(REPLICA_AXES, key=lambda a: -self.order.index(a)) if self.sizes[a] > 1)
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]._flatten("_".join(reversed(names)))
+
+    @property
+    def same_batch(self) -> AxisGroup:
+        """The ranks that train on the same samples and share one reader (tp x cp): rank 0 of it reads, the
+        others receive (SharedBatches). pp ranks see the same samples too, but each reads its own."""
+        return self.axis(*SAME_BATCH_AXES)
+
+    @property
+    def metrics(self) -> AxisGroup:
+        """The ranks whose validation sums add up to the global ones (`batch` x pp): each batch rank saw
+        other samples, and only the last pipeline stage has outputs (the others add zeros)."""
+        return self.axis(*METRIC_AXES)
 
     @property
     def world(self) -> AxisGroup:
@@ -342,7 +381,7 @@ def layout_main(argv: list[str] | None = None) -> int:
     text = ("order", "pp_schedule", "cp_attention")
     try:
         cfg = ParallelConfig(**{k: (v if k in text else int(v)) for k, v in args.items() if k not in ("world", "depth")})
-        world = int(args.get("world", 0)) or cfg.tp * cfg.cp * cfg.pp * max(cfg.dp, 1)
+        world = int(args.get("world", 0)) or ranks_needed(cfg)
         grid = Grid(resolve_sizes(cfg, world), parse_order(cfg.order))
         plan = resolve_plan(cfg.pp_schedule, cfg.pp, cfg.pp_stages_per_rank, cfg.pp_microbatches,
                             int(args.get("depth", 4))) if cfg.pp > 1 else None

@@ -232,11 +232,10 @@ def held_bytes(trainer) -> tuple[int, int, int]:
 def measure(cfg, grid, trainer) -> tuple[dict[str, int], int]:
     """(comm bytes per axis, saved-for-backward bytes) of one Trainer.train_step under `shapes_only`."""
     from utils.bench import saved_for_backward_bytes
-    from utils.comm import Axis
 
     mode = shapes_only()
     with mode:
-        x, y = trainer.task.example_batch(cfg.trainer.global_batch_size // grid.size(Axis.DP), grid.device)
+        x, y = trainer.task.example_batch(cfg.trainer.global_batch_size // grid.batch.size, grid.device)
         params = list(trainer.raw_model.parameters())  # saved as they are, or as their fake counterparts
         weights = params + [mode.from_tensor(p) for p in params]
         grid.reset_comm_bytes()
@@ -278,11 +277,10 @@ def plan_layout(overrides: list[str], hw: Hardware, world: int) -> LayoutPlan:
 
 def check_batch_for(cfg, grid) -> None:
     """The batch checks a launch makes (utils.data.batching.check_batch), without the data's size."""
-    from utils.comm import Axis
     from utils.data.batching import check_batch
 
     batch = cfg.trainer.global_batch_size
-    check_batch(batch, grid.size(Axis.DP), cfg.trainer.grad_accum_steps, batch)
+    check_batch(batch, grid.batch.size, cfg.trainer.grad_accum_steps, batch)
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:

@@ -80,7 +80,7 @@ class WeatherTask:
 
         Under pipeline parallelism `model` is the forward pass through the stages: the predictions exist
         on the last stage's ranks, whose sums the reduction over dp x pp adds (the others add zeros)."""
-        device, dp = grid.device, grid.axis(Axis.DP)
+        device, batch = grid.device, grid.batch
         weights = self.lat_weights.to(device)
         sums = torch.zeros(2 + len(self.cfg.channels), dtype=torch.float64, device=device)
         first = None
@@ -98,11 +98,11 @@ class WeatherTask:
             if first is None:
                 image = from_last_stage(model, None if pred is None else pred[0, 0].float(), y[0, 0].float())
                 first = (image.cpu(), y[0, 0].float().cpu())
-        all_reduce_(sums, grid.axis(Axis.DP, Axis.PP))
+        all_reduce_(sums, grid.metrics)
         count = sums[1].clamp_min(1)
         metrics = {"val/loss": (sums[0] / count).item()}
         metrics.update({f"val/rmse/{c}": (sums[2 + i] / count).item() for i, c in enumerate(self.cfg.channels)})
-        if first is not None and dp.rank == 0 and writer.active:  # rank 0 alone draws and writes the figure
+        if first is not None and batch.rank == 0 and writer.active:  # rank 0 alone draws and writes the figure
             channel = self.cfg.channels[0]
             writer.image(f"val/{channel}_pred_vs_target", figure_image(field_panels(*first, channel, step)), step)
         return metrics
@@ -166,7 +166,7 @@ class LanguageTask:
                     y = y.to(grid.device, non_blocking=True)
                     sums[0] += criterion(logits, y).double() * len(x)
                     sums[1] += len(x)
-        all_reduce_(sums, grid.axis(Axis.DP, Axis.PP))
+        all_reduce_(sums, grid.metrics)
         loss = (sums[0] / sums[1].clamp_min(1)).item()
         if self.new_tokens:  # a collective (tp ranks decode together): every rank, not only the writer
             writer.text("val/samples", self.continuations(model, grid, autocast), step)

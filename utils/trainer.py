@@ -18,7 +18,7 @@ from distributed.grad_norm import clip_grad_norm
 from distributed.rng import seed_default_stream
 from distributed.sharded_state import View, checkpoint_view, read_shapes
 from utils.checkpoint import Checkpointer, rng_tensors, set_rng_tensors
-from utils.comm import Axis, Grid
+from utils.comm import Grid
 from utils.data.batching import Loaders, SharedBatches
 from utils.errors import require
 from utils.flops import mfu, tflops_per_device
@@ -52,7 +52,7 @@ class Trainer:
         self.run_dir, self.log, self.step = run_dir, log, 0
         self.device = grid.device
         self.autocast = partial(autocast, cfg.precision.mode, self.device)
-        self.dp = grid.axis(Axis.DP)
+        self.batch = grid.batch  # the loss is averaged over the ranks that split the batch
         self.checkpointer = checkpointer
         self.tb = TensorBoard(run_dir, grid.is_main)
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
@@ -141,7 +141,7 @@ class Trainer:
         self.finish_grads()
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip_grad_norm()
-        loss = mean_over(total, self.dp)
+        loss = mean_over(total, self.batch)
         self.flags = self.agree_on_flags(loss, grad_norm)
         self.step_optimizer(self.flags[0])
         self.scaler.update()
@@ -207,7 +207,7 @@ class Trainer:
 
     def train_batches(self) -> SharedBatches:
         """The training batches from the step reached, on the device: read by one rank of the tp x cp group."""
-        return SharedBatches(self.loaders.train, self.grid.axis(Axis.TP, Axis.CP), self.device)
+        return SharedBatches(self.loaders.train, self.grid.same_batch, self.device)
 
     def fit(self) -> int:
         """Train to max_steps (or stop_at_step). Returns the exit status: 0, or EXIT_PREEMPTED when a stop

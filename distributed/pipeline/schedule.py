@@ -37,7 +37,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, stages: list[CountedStage], plan: PipelinePlan, grid: Grid):
         self.model, self.stages, self.plan, self.grid = model, stages, plan, grid
-        self.pp, self.replicas = grid.axis(Axis.PP), grid.axis(Axis.DP, Axis.CP)
+        self.pp, self.replicas = grid.axis(Axis.PP), grid.replicas
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.losses: list[torch.Tensor] = []
@@ -85,7 +85,7 @@ class Pipeline:
         """After the last microbatch: the dp x cp reduction, then the tied embedding copies."""
         if self.replicas.size > 1:  # FSDP-sharded blocks (DTensor parameters) were reduce-scattered already
             replicated = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
-            torch._foreach_div_(sum_grads(replicated, self.replicas), self.grid.size(Axis.DP))
+            torch._foreach_div_(sum_grads(replicated, self.replicas), self.grid.batch.size)
         ends = self.grid.pipeline_ends
         if self.tied is not None and ends is not None and self.tied.grad is not None:
             all_reduce_(self.tied.grad, ends)
