@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from tests.conftest import ROOT, run_entry
-from train_mp import supervise
 from utils.launch import free_port
+from utils.local_launch import supervise
 
 
 def test_train_mp_rejects_a_grid_that_does_not_fit():
@@ -264,3 +264,31 @@ def test_train_py_as_one_process_launches_the_ranks_of_the_layout(tmp_path):
     x, y = build_task(cfg, load_data=False).example_batch(cfg.trainer.global_batch_size, torch.device("cpu"))
     assert [v for _, v in scalars["data/shared_bytes"]] == [x.nbytes + y.nbytes] * 3
     assert "training batches read by one rank of each tp x cp group of 2" in proc.stdout
+
+
+def _project_imports(path: Path) -> set[str]:
+    """Modules of this project that a file imports, at the top or inside a function."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in names if n.split(".")[0] in ("train", "train_mp", "utils", "distributed", "networks")}
+
+
+def test_no_library_module_imports_a_script_and_the_entry_modules_form_no_circle():
+    """train.py and train_mp.py are scripts over utils/entry.py and utils/local_launch.py: nothing imports them
+    (tests aside), and the entry modules (with the Hydra app) import each other one way only."""
+    library = [p for d in ("utils", "distributed", "networks") for p in sorted((ROOT / d).rglob("*.py"))]
+    scripts = [ROOT / "train.py", ROOT / "train_mp.py"]
+    offenders = {str(p.relative_to(ROOT)): found for p in library + scripts
+                 if (found := sorted(n for n in _project_imports(p) if n.split(".")[0] in ("train", "train_mp")))}
+    assert not offenders, offenders
+    entry = {"utils.entry": "utils/entry.py", "utils.hydra_app": "utils/hydra_app.py",
+             "utils.local_launch": "utils/local_launch.py"}
+    edges = {m: {n for n in entry if n != m and n in _project_imports(ROOT / f)} for m, f in entry.items()}
+    assert edges == {"utils.entry": {"utils.hydra_app", "utils.local_launch"},
+                     "utils.hydra_app": {"utils.local_launch"}, "utils.local_launch": set()}, edges

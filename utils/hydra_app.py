@@ -1,16 +1,16 @@
 """Hydra's own command line for train.py: multirun sweeps and launchers, --cfg job|hydra|all, --info, hydra.*.
 
-train.py sends here only the command lines that need Hydra's app (`is_hydra_command`): -m/--multirun,
+train.py (utils/entry.py) sends here only the command lines that need Hydra's app (`is_hydra_command`): -m/--multirun,
 --info, --cfg followed by job|hydra|all, hydra.* or hydra/* settings, -cn/-cp/-cd. A plain run keeps its
 fast path (load_config). Before Hydra starts, every point of a sweep is composed and validated like a
 single run, so a bad value stops the sweep with the one-line error and exit 2 before any point trains.
 
 Each point runs `task` (module level: the submitit launchers pickle it), which converts the config
-Hydra composed with the same `typed_config` as a single run and trains it with `train.run`:
+Hydra composed with the same `typed_config` as a single run and trains it with `run` (utils/local_launch.py):
 - run.dir: the point's usual name under run.root (its overrides give it the digest the same single run
   gets), unless hydra.run.dir=DIR or hydra.sweep.dir=DIR was given: then Hydra's job folder (DIR, or
   DIR/<hydra.sweep.subdir>, by default DIR/<job number>) is the run.dir. An explicit run.dir wins.
-- ranks: one process for a layout of several ranks starts them (train_mp.py), as a single run does;
+- ranks: one process for a layout of several ranks starts them (utils/local_launch.py), as a single run does;
   under a submitit launcher with several tasks per point (hydra.launcher.tasks_per_node, nodes), each
   task is one rank: torch.distributed's variables come from submitit's view of the Slurm (or local) job.
 The basic launcher runs the points one after another and stops at the first that fails, with its exit
@@ -108,9 +108,9 @@ def task(job_cfg) -> int:
     """One point of a sweep (or a Hydra run): convert Hydra's config as a single run's and train it."""
     from hydra.core.hydra_config import HydraConfig
 
-    import train
     from utils.comm import destroy_grid
     from utils.config import typed_config
+    from utils.local_launch import run
 
     hydra_cfg = HydraConfig.get()
     argv, failure = list(hydra_cfg.overrides.task), None
@@ -122,7 +122,7 @@ def task(job_cfg) -> int:
         cfg, choices, config_yaml = typed_config(job_cfg, hydra_cfg.runtime.choices, argv)
         export_submitit_ranks()
         check_handover(hydra_cfg, cfg)
-        code = train.run(cfg, choices, config_yaml, argv)
+        code = run(cfg, choices, config_yaml, argv)
     except ConfigError as err:
         print(err.line(), file=sys.stderr, flush=True)
         code, failure = EXIT_BAD_INPUT, err.line()
@@ -165,12 +165,12 @@ def export_submitit_ranks() -> None:
 def check_handover(hydra_cfg, cfg) -> None:
     """The ranks train_mp.py starts compose config/config.yaml from the point's overrides: refuse a layout of
     several ranks started as one process under another primary config (-cn/-cp/-cd), which they would miss."""
-    import train
     from utils.config import CONFIG_DIR
+    from utils.local_launch import starts_local_ranks
 
     sources = {(s.provider, s.path) for s in hydra_cfg.runtime.config_sources}
     own = hydra_cfg.job.config_name == "config" and ("main", str(CONFIG_DIR)) in sources and \
         not any(provider == "command-line" for provider, _ in sources)
-    if not own and train.starts_local_ranks(cfg):
+    if not own and starts_local_ranks(cfg):
         raise ConfigError("the local ranks of this layout would not see the config chosen with -cn/-cp/-cd",
                           "parallel", "start the ranks with torchrun or srun, or set hydra.launcher.tasks_per_node")
