@@ -55,7 +55,7 @@ def test_table_values_are_those_of_the_events(runs, capsys):
     rows = {row["run"]: row for row in table_rows(capsys.readouterr().out)}
     assert list(rows) == ["single", "dp2", "tp2"]  # the order of the arguments
     assert (rows["single"]["layout"], rows["single"]["ranks"]) == ("single", "1")
-    assert (rows["dp2"]["layout"], rows["dp2"]["ranks"]) == ("dp2", "2")  # dp=0 in config.yaml: from train.log
+    assert (rows["dp2"]["layout"], rows["dp2"]["ranks"]) == ("dp2", "2")  # dp=0 in config.yaml: from layout.json
     assert (rows["tp2"]["layout"], rows["tp2"]["ranks"]) == ("tp2", "2")
     for name, run_dir in runs.items():
         scalars, row = read_scalars(run_dir), rows[name]
@@ -128,13 +128,19 @@ def test_help_answers_without_loading_the_heavy_modules():
     assert not imported & {"torch", "tensorboard", "matplotlib", "omegaconf", "numpy"}, imported
 
 
-def test_layout_from_config_and_derived_dp_from_the_log(tmp_path):
-    """Explicit sizes give the layout in grid order; parallel.dp=0 takes the last launch's dp from train.log."""
+def test_layout_from_layout_json_or_from_an_old_runs_config(tmp_path):
+    """layout.json (the last launch's resolved layout) gives the layout, a derived dp included; a run directory
+    from before layout.json: config.yaml's explicit sizes in grid order, a derived dp as one rank."""
+    from utils.comm import Grid, ParallelConfig, parse_order, resolve_sizes
+    from utils.runs import write_layout
+
     parallel = {"tp": 2, "cp": 1, "pp": 1, "dp": 2, "order": "tp-cp-dp-pp"}
     assert layout_of(tmp_path, parallel) == ("tp2 x dp2", 4)
     assert layout_of(tmp_path, {**parallel, "order": "dp-tp-cp-pp"}) == ("dp2 x tp2", 4)
-    (tmp_path / "train.log").write_text("... INFO grid: world=4 tp=2 cp=1 dp=2 pp=1 order=tp-cp-dp-pp; run.dir: x\n"
-                                        "... INFO grid: world=8 tp=2 cp=1 dp=4 pp=1 order=tp-cp-dp-pp; run.dir: x\n")
+    assert layout_of(tmp_path, {**parallel, "dp": 0}) == ("tp2", 2)
+    (tmp_path / "train.log").write_text("... INFO grid: world=4 tp=2 cp=1 dp=2 pp=1 order=tp-cp-dp-pp; run.dir: x\n")
+    assert layout_of(tmp_path, {**parallel, "dp": 0}) == ("tp2", 2)  # log text is never read
+    write_layout(tmp_path, Grid(resolve_sizes(ParallelConfig(tp=2), 8), parse_order("tp-cp-dp-pp")))
     assert layout_of(tmp_path, {**parallel, "dp": 0}) == ("tp2 x dp4", 8)
 
 

@@ -34,7 +34,7 @@ from utils.launch import restart_warning
 from utils.logger import hparam_values, setup_logging
 from utils.optim import build_optimizer, build_scheduler
 from utils.precision import autocast, configure_matmul, grad_scaler, precision_notice
-from utils.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for
+from utils.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for, write_layout
 from utils.tasks import build_task
 from utils.trainer import Trainer
 
@@ -176,6 +176,7 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
                                     read_train=grid.same_batch.rank == 0)  # see SharedBatches
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
+        write_layout(trainer.run_dir, grid)  # run facts as data (utils/runs.py), read by tools and tests
     notes = [note] if (note := mfu_absence(grid.device, cfg.precision.mode)) is not None else []
     if trainer.step < cfg.trainer.max_steps:  # a finished run's directory gets no new events
         metrics = ["train/loss", "val/loss", task.quality_metric, "perf/samples_per_sec", "perf/tokens_per_sec"]

@@ -7,9 +7,8 @@ axis. With `--out DIR` it also writes DIR/compare.md, DIR/compare.csv and figure
 against wall-clock time, throughput per run, and (when the runs differ in rank count) throughput against
 ranks with ideal linear scaling from the smallest run.
 
-Everything is read from what a run leaves in its directory: config.yaml (layout, precision), train.log
-(the data-parallel size when it was derived from the world size, parallel.dp=0) and every TensorBoard
-event file (a resumed run has one per launch; the last value written for a step wins). Medians are
+Everything is read from what a run leaves in its directory: config.yaml (precision), layout.json (the
+resolved layout of its last launch, utils/runs.py) and every TensorBoard event file (a resumed run has one per launch; the last value written for a step wins). Medians are
 over whatever points a tag has.
 Only the standard library is imported at the top, so `--help` and argument errors answer at once.
 """
@@ -32,7 +31,6 @@ from utils.errors import ConfigError, exit_bad_input, require
 Curve = list[tuple[int, float, float]]  # (step, seconds since the run's first event, value), by step
 COMM_TAG = re.compile(r"comm/(.+)_bytes")
 AXIS_ORDER = ("tp", "cp", "dp", "pp")  # comm columns in this order; axis products after them
-GRID_LINE = re.compile(r"grid: world=\d+ (.*?) order=")  # train.log's line naming the launch's resolved sizes
 NOTE = ("samples/s, tokens/s, TFLOP/s per rank, MFU and bytes/step: medians over the logged steps; "
         "peak mem: the largest mem/peak_gib; best loss: the lowest finite value.")
 
@@ -127,27 +125,22 @@ def read_curves(run_dir: Path) -> dict[str, Curve]:
     return curves
 
 
-def logged_dp(run_dir: Path) -> int:
-    """The data-parallel size of the run's last launch, from train.log (0 when the log does not say)."""
-    log = run_dir / "train.log"
-    lines = GRID_LINE.findall(log.read_text(errors="replace")) if log.is_file() else []
-    sizes = dict(pair.split("=") for pair in lines[-1].split()) if lines else {}
-    return int(sizes.get("dp", 0))
-
-
 def layout_of(run_dir: Path, parallel: dict) -> tuple[str, int]:
-    """('tp2 x dp2', 4): the layout by the project's rules (utils.comm, utils.launch) from config.yaml's
-    parallel section; a derived dp (parallel.dp=0, dp = world / (tp*cp*pp)) is read from train.log."""
+    """('tp2 x dp2', 4): the resolved layout of the run's last launch, from its layout.json. A run directory
+    from before layout.json: config.yaml's parallel section by the project's rules (utils.comm,
+    utils.launch), a derived dp (parallel.dp=0) as the one rank a one-process start gives it."""
     from types import SimpleNamespace
 
+    from utils.runs import read_layout
+
+    facts = read_layout(run_dir)
+    if facts is not None:
+        return str(facts["name"]).replace("-", " x "), int(facts["world_size"])
     from utils.comm import Axis, layout_name, parse_order
     from utils.launch import ranks_needed
 
-    sizes = {axis: int(parallel.get(axis.value, 1)) for axis in Axis}
-    if sizes[Axis.DP] == 0:
-        sizes[Axis.DP] = logged_dp(run_dir)
+    sizes = {axis: max(int(parallel.get(axis.value, 1)), 1) for axis in Axis}
     ranks = ranks_needed(SimpleNamespace(**{axis.value: size for axis, size in sizes.items()}))
-    sizes[Axis.DP] = max(sizes[Axis.DP], 1)
     name = layout_name(sizes, parse_order(parallel.get("order", "tp-cp-dp-pp")))
     return name.replace("-", " x "), ranks
 

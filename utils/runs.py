@@ -1,20 +1,27 @@
-"""Run directories: readable names that differ whenever the runs differ, and safe resumption.
+"""Run directories: readable names that differ whenever the runs differ, safe resumption, and run facts.
 
 A default run.dir is <root>/<model>-<data>-<layout>-<precision>[-<experiment>][-<digest>][-<tag>], where
 the digest (6 hex digits) appears when settings beyond the presets were overridden: two runs that train
 different things never share a directory (and so never resume each other's checkpoints). Before a run
 continues from a checkpoint, its config is compared with the one the run directory was started with;
 only settings that do not change the training (logging cadence, workers, paths, ...) may differ.
+
+Run facts are data: beside config.yaml, rank 0 writes layout.json at each launch (`write_layout`: axis
+sizes, order, world size, the ranks of every group of each axis, the axes of the grid's concepts, the
+signature), which tools and tests read (`read_layout`) instead of log text.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from utils.comm import BATCH_AXES, METRIC_AXES, REPLICA_AXES, SAME_BATCH_AXES, Grid
 from utils.config import compose_config
 from utils.errors import ConfigError
 
@@ -86,3 +93,31 @@ def check_resumable(run_dir: Path, config_yaml: str) -> None:
         raise ConfigError(f"{run_dir} holds checkpoints of a run with other settings ({'; '.join(changed[:4])}"
                           + (" ..." if len(changed) > 4 else "") + ")", "run.dir",
                           "set run.tag=<name> or run.dir=<new folder>, or trainer.resume=never to start it over")
+
+
+LAYOUT_FILE = "layout.json"  # the resolved layout of a run's last launch, beside config.yaml
+
+
+def layout_facts(grid: Grid) -> dict[str, object]:
+    """The resolved layout as plain data: what layout.json holds."""
+    axes = lambda group: [a.value for a in group]  # noqa: E731
+    return {"world_size": grid.world_size, "order": axes(grid.order),
+            "sizes": {a.value: grid.sizes[a] for a in grid.order}, "name": grid.name, "signature": grid.signature,
+            "groups": {a.value: grid.layout[a] for a in grid.order},  # the ranks of every group of each axis
+            "concepts": {"batch": axes(BATCH_AXES), "replicas": axes(REPLICA_AXES),
+                         "same_batch": axes(SAME_BATCH_AXES), "metrics": axes(METRIC_AXES)}}
+
+
+def write_layout(run_dir: Path, grid: Grid) -> Path:
+    """Write layout.json into run.dir atomically (a reader sees the old file or the new one, never a part)."""
+    path = Path(run_dir) / LAYOUT_FILE
+    partial = path.with_name(f".{LAYOUT_FILE}.{os.getpid()}")  # same folder: the rename is atomic
+    partial.write_text(json.dumps(layout_facts(grid), indent=1) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def read_layout(run_dir: Path) -> dict[str, object] | None:
+    """A run's layout.json (see `layout_facts`), or None for a run directory without one."""
+    path = Path(run_dir) / LAYOUT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
