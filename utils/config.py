@@ -123,7 +123,8 @@ def register_schemas() -> None:
 
 
 def presets(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+    """The presets a user chooses from; a file named _* is a block other presets start from (experiment/_base)."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def _setting_of(message: str, argv: list[str]) -> str:

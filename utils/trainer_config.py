@@ -1,4 +1,7 @@
-"""Schema of the `trainer` section of the config (checked when the config is composed)."""
+"""Schema of the `trainer` section of the config (checked when the config is composed).
+
+Its defaults are the only ones: config/config.yaml does not repeat them (one source of truth per default).
+"""
 
 from __future__ import annotations
 
