@@ -12,6 +12,24 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The fast tier, `python -m pytest -m "not slow" tests` (at most 3 minutes on 2 cores), for edit-test loops:
+# it leaves out the tests that train through the entry points, launch processes as users do (train_mp,
+# torchrun, sbatch, Hydra launchers), compile, or run the combination matrix's training cases. The default
+# suite (the README's command) runs everything.
+SLOW_FILES = {"test_layouts", "test_train_e2e", "test_lm_e2e", "test_submit", "test_sweep", "test_launch",
+              "test_compile", "test_comm_compile", "test_tensorboard", "test_exit_paths", "test_fsdp_pipeline"}
+SLOW_TESTS = {"test_compiled_training_follows_eager", "test_a_nan_on_one_rank_is_handled_alike_on_every_rank",
+              "test_the_tutorial_vit_is_timed_at_the_same_shape", "test_accepted_combination_follows_the_single_process_run",
+              "test_refused_combination_exits_2_with_one_line", "test_table_values_are_those_of_the_events",
+              "test_out_writes_the_table_csv_and_figures", "test_a_glob_expands_sorted", "test_profile_of_steps_2_to_3"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem in SLOW_FILES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("matrix", "the combination matrix (tests/test_matrix.py)")
     group.addoption("--matrix-seed", type=int, default=0, help="seed of the random matrix cases")

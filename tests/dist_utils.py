@@ -1,11 +1,12 @@
-"""Run a function on N gloo ranks in spawned processes, for multi-rank tests on CPU.
+"""Run a function on N gloo ranks, for multi-rank tests on CPU.
 
-`run_ranks(fn, world_size, tmp_path, *args)` spawns `world_size` processes, initializes
-torch.distributed (gloo) in each through a file under `tmp_path` (no ports, so parallel test runs
-never collide), sets RANK/WORLD_SIZE/LOCAL_RANK as torchrun would (so `utils.comm.init_grid` finds
-the launch), and calls `fn(rank, world_size, *args)`. Any exception in any rank is re-raised in the
-parent with the rank's traceback; the surviving ranks are killed at once, and a run that exceeds
-`timeout_s` fails instead of hanging. `fn` must be a module-level (picklable) function.
+`run_ranks(fn, world_size, tmp_path, *args)` runs `fn(rank, world_size, *args)` on `world_size` ranks of
+the test process's pool (tests/rank_pool.py: processes started once and reused, with RANK/WORLD_SIZE/
+LOCAL_RANK set as torchrun would, so `utils.comm.init_grid` finds the launch), after initializing
+torch.distributed (gloo) in each. Any exception in any rank is re-raised in the parent with the rank's
+traceback; a run that fails on one rank or exceeds `timeout_s` replaces the pool's processes instead of
+hanging. `fresh=True` spawns new processes instead (the original path, kept for tests that must own
+their processes). `fn` must be a module-level (picklable) function.
 """
 
 from __future__ import annotations
@@ -42,10 +43,28 @@ def _worker(rank: int, world_size: int, init_file: str, timeout_s: float, result
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, tmp_path: Path | str, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def _pooled(rank: int, world_size: int, init_file: str, timeout_s: float, fn: Callable, args: tuple) -> None:
+    """One pooled rank of `run_ranks`: the process group, `fn`, a closing barrier."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    fn(rank, world_size, *args)
+    dist.barrier()
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_path: Path | str, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
+              fresh: bool = False) -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; raise if any rank fails."""
-    ctx = mp.get_context("spawn")
     init_file = Path(tmp_path) / f"dist_init_{time.monotonic_ns()}"
+    if not fresh:
+        from tests.rank_pool import pool
+
+        results = pool().run(_pooled, world_size, str(init_file), timeout_s, fn, args, timeout_s=timeout_s + 30)
+        failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
+        failed.sort(key=lambda f: f[1].startswith("stopped:"))  # the rank that failed first, not those it stopped
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]} failed:\n{failed[0][1]}")
+        return
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world_size, str(init_file), timeout_s, results, fn, args),
                          daemon=True) for r in range(world_size)]

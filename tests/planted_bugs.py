@@ -19,30 +19,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PLANTS = {  # name -> (what the defect does, file, text in the fixed code, the defect's text)
+PLANTS = {  # name -> (what the defect does, [(file, text in the fixed code, the defect's text), ...])
     "fsdp_pp_bf16_dtype": (
-        "issue 23 item 1: FSDP2 casts block inputs to bf16, so a stage's output is bf16 under pp",
-        "distributed/fsdp.py", "cast_forward_inputs=False", "cast_forward_inputs=True"),
+        "issue 23 item 1: FSDP2's bf16 policy casts block inputs, so a stage's output is bf16, unchecked",
+        [("distributed/fsdp.py", "policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)",
+          "policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \\\n"
+          "        if precision == 'bf16' else MixedPrecisionPolicy()"),
+         ("distributed/pipeline/stages.py", "if x.dtype != self.activation_dtype or tuple(x.shape) != shape:",
+          "if tuple(x.shape) != shape:")]),
     "ring_scores_under_autocast": (
         "issue 23 item 2: the ring's scores, row max, sums and LSE follow autocast (bf16)",
-        "distributed/context/ring.py", "torch.autocast(q.device.type, enabled=False)",
-        "contextlib.nullcontext()"),
+        [("distributed/context/ring.py", "RING_AUTOCAST_TODO", "RING_AUTOCAST_TODO")]),
     "checkpoint_wrapper_names": (
         "issue 23 item 3: Adam state named from named_parameters(), wrapper prefixes included",
-        "distributed/sharded_state.py", "params = parameter_names(model)",
-        "params = dict(model.named_parameters(remove_duplicate=False))"),
+        [("distributed/sharded_state.py", "AC_NAMES_TODO", "AC_NAMES_TODO")]),
     "ddp_divides_by_dp_x_cp": (
         "DDP's hook divides the gradients summed over dp x cp by the group size (dp x cp), not by dp",
-        "distributed/data_parallel.py", "ddp.register_comm_hook((axis, grid.axis(Axis.DP).size)",
-        "ddp.register_comm_hook((axis, axis.size)"),
+        [("distributed/data_parallel.py", "ddp.register_comm_hook((axis, grid.batch.size)",
+          "ddp.register_comm_hook((axis, axis.size)")]),
     "pipeline_loss_ignores_accumulation": (
         "the pipeline divides each microbatch loss by the microbatches of one accumulation step only",
-        "distributed/pipeline/schedule.py", "self.divisor, self.scale = accum * self.plan.microbatches, scale",
-        "self.divisor, self.scale = self.plan.microbatches, scale"),
+        [("distributed/pipeline/schedule.py", "self.divisor, self.scale = accum * self.plan.microbatches, scale",
+          "self.divisor, self.scale = self.plan.microbatches, scale")]),
     "partial_grads_skip_vectors": (
         "the sum of partial gradients over tp skips 1-D parameters (sequence-parallel norms, row biases)",
-        "distributed/data_parallel.py", "        sum_grads(params, axis)\n",
-        "        sum_grads([p for p in params if p.dim() > 1], axis)\n"),
+        [("distributed/data_parallel.py", "        sum_grads(params, axis)\n",
+          "        sum_grads([p for p in params if p.dim() > 1], axis)\n")]),
 }
 
 
@@ -56,12 +58,14 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(ROOT / name, dest / name)
 
 
-def plant(tree: Path, file: str, old: str, new: str) -> None:
-    path = tree / file
-    text = path.read_text()
-    if text.count(old) != 1:
-        raise SystemExit(f"error: the plant's text occurs {text.count(old)} times in {file}, not once: update PLANTS")
-    path.write_text(text.replace(old, new))
+def plant(tree: Path, edits: list[tuple[str, str, str]]) -> None:
+    for file, old, new in edits:
+        path = tree / file
+        text = path.read_text()
+        if text.count(old) != 1:
+            raise SystemExit(f"error: the plant's text occurs {text.count(old)} times in {file}, not once: "
+                             "update PLANTS")
+        path.write_text(text.replace(old, new))
 
 
 def run_matrix(tree: Path, first: bool) -> tuple[int, int, str]:
@@ -84,11 +88,11 @@ def main(argv: list[str]) -> int:
         return 2
     killed = 0
     for name in names:
-        what, file, old, new = PLANTS[name]
+        what, edits = PLANTS[name]
         with tempfile.TemporaryDirectory(prefix=f"plant_{name}_") as tmp:
             tree = Path(tmp)
             copy_tree(tree)
-            plant(tree, file, old, new)
+            plant(tree, edits)
             failed, run, last = run_matrix(tree, first)
         killed += failed > 0
         print(f"{name}: {'KILLED' if failed else 'SURVIVED'} ({failed} of {run} cases failed; {what})", flush=True)

@@ -60,6 +60,7 @@ def _reset_process_state() -> None:
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.manual_seed(0)
+    torch._dynamo.reset()  # compiled graphs of a case hold its modules and groups
 
 
 def _worker(index: int, jobs, results) -> None:
