@@ -127,7 +127,7 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
             view.tensors[key] = tensor  # replicated, a scalar, or an FSDP DTensor DCP reshards itself
             return
         if isinstance(tensor, DTensor):  # FSDP shard of a tp shard: through this rank's whole tp shard
-            fsdp = grid.axis(Axis.DP, Axis.CP)
+            fsdp = grid.replicas
             if for_load:
                 whole = tensor.to_local().new_empty(tensor.shape)
                 view.copies.append((whole, tensor.to_local(), _fsdp_part(fsdp)))
@@ -148,7 +148,7 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
         else:
             view.tensors[key] = all_gather(tensor.contiguous(), axis, dim, split_sizes(full, axis.size))
 
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = parameter_names(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
         add(f"model/{name}", tensor, params.get(name, tensor))
     if optimizer is not None:
@@ -158,6 +158,15 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
             for entry, value in optimizer.state[param].items():
                 add(f"optim/{name}/{entry}", value, param)
     return view
+
+
+def parameter_names(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every parameter under its state-dict name, the single-process name the model keys use: wrappers
+    that add a level to `named_parameters()` (activation checkpointing's `_checkpoint_wrapped_module.`,
+    compile's `_orig_mod.`) strip it from state-dict keys, so the optimizer state is named like the model
+    whatever the wrappers (a checkpoint then resumes with them toggled and under any layout). Tied
+    weights keep both names."""
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, nn.Parameter)}
 
 
 def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
