@@ -25,7 +25,8 @@ sequence positions of rank s's tokens (identical list on every rank; any layout,
 one where rank r holds chunks r and 2cp-1-r of 2cp) and query i sees key j iff pos_q[i] >= pos_k[j].
 A block with no visible pair is skipped (no compute); a fully visible one runs without a mask.
 
-Precision: fp16/bf16 inputs are upcast per block and every sum (output, LSE, dQ, dK, dV) is float32;
+Precision: fp16/bf16 inputs are upcast per block and every sum (output, LSE, dQ, dK, dV) is float32,
+under torch.autocast too (the forward turns it off: the blocks compute as written, as the backward does);
 float32/float64 inputs compute natively. The output and gradients come back in the input dtype.
 
 Bytes rank r sends over the cp axis (counted by `ring_shift`), with KV(j) = bytes(K_j) + bytes(V_j) in
@@ -134,14 +135,18 @@ class _RingAttention(torch.autograd.Function):
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
         kv = [k, v]
-        for step in range(cp):
-            if step < cp - 1:  # start the next block's transfer, then compute on this one
-                arriving = ring_shift(kv, axis, _shapes(k, v, sizes[(rank - step - 1) % cp]), KV_TAG)
-            visible, mask = _block_mask(positions, bounds, rank, (rank - step) % cp)
-            if visible:
-                out, lse = merge(out, lse, *block_attention(q, kv[0], kv[1], mask, scale))
-            if step < cp - 1:
-                kv = arriving()
+        # The trainer calls attention inside torch.autocast, which would turn the upcast matmuls back into
+        # bf16 ones (scores, row max, sums and LSE in bf16, and a backward recomputing P in float32 from an
+        # LSE of bf16 scores): the blocks compute exactly as written, as the backward does (no autocast there)
+        with torch.autocast(q.device.type, enabled=False):
+            for step in range(cp):
+                if step < cp - 1:  # start the next block's transfer, then compute on this one
+                    arriving = ring_shift(kv, axis, _shapes(k, v, sizes[(rank - step - 1) % cp]), KV_TAG)
+                visible, mask = _block_mask(positions, bounds, rank, (rank - step) % cp)
+                if visible:
+                    out, lse = merge(out, lse, *block_attention(q, kv[0], kv[1], mask, scale))
+                if step < cp - 1:
+                    kv = arriving()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.axis, ctx.sizes, ctx.positions, ctx.bounds, ctx.scale = axis, sizes, positions, bounds, scale
