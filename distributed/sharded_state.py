@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -43,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from distributed.collectives import all_gather, split_sizes
-from utils.comm import Axis, AxisGroup, Grid
+from utils.comm import AxisGroup, Grid
 
 # DCP warns that it assumes one process when torch.distributed is not initialized: here that is meant
 # (also in the thread of a background save, hence a process-wide filter).
@@ -219,6 +220,22 @@ def read_shapes(folder: Path) -> dict[str, tuple[int, ...] | None]:
             for key, m in metadata.state_dict_metadata.items()}
 
 
+class CheckpointIOError(RuntimeError):
+    """DCP could not read or write a checkpoint; `causes`: the exceptions of the ranks that failed."""
+
+    def __init__(self, message: str, causes: list[BaseException]):
+        super().__init__(message)
+        self.causes = causes
+
+
+def transient(err: BaseException) -> bool:
+    """An error that says nothing about the checkpoint's files: I/O (not a missing file), a timeout, a
+    collective that failed. Those re-raise instead of counting as corruption."""
+    if isinstance(err, OSError):
+        return not isinstance(err, FileNotFoundError)
+    return isinstance(err, dist.DistError)
+
+
 def truncated_files(folder: Path) -> list[str]:
     """'name (have of needed bytes)' for each data file shorter than the metadata says (or missing)."""
     needed: dict[str, int] = {}
@@ -267,10 +284,12 @@ def write_full(tensors: dict[str, torch.Tensor], folder: Path) -> None:
 @contextlib.contextmanager
 def _as_error(what: str):
     """DCP's CheckpointException (every rank's failures, raised on every rank) derives from BaseException:
-    re-raise it as an ordinary error, so that the callers' handlers see it."""
+    re-raise it as an ordinary error, so that the callers' handlers see it, with the failures it gathered
+    (`CheckpointIOError.causes`: whether they are I/O or collective errors decides what a reader does)."""
     try:
         yield
     except CheckpointException as err:
         failures = "; ".join(f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
                              for rank, (e, _) in sorted(err.failures.items()))
-        raise RuntimeError(f"could not {what} the checkpoint ({failures})") from None
+        raise CheckpointIOError(f"could not {what} the checkpoint ({failures})",
+                                [e for _, (e, _) in sorted(err.failures.items())]) from None

@@ -29,10 +29,13 @@ PLANTS = {  # name -> (what the defect does, [(file, text in the fixed code, the
           "if tuple(x.shape) != shape:")]),
     "ring_scores_under_autocast": (
         "issue 23 item 2: the ring's scores, row max, sums and LSE follow autocast (bf16)",
-        [("distributed/context/ring.py", "RING_AUTOCAST_TODO", "RING_AUTOCAST_TODO")]),
+        [("distributed/context/ring.py", "with torch.autocast(q.device.type, enabled=False):",
+          "with contextlib.nullcontext():"),
+         ("distributed/context/ring.py", "\nimport torch\n", "\nimport contextlib\n\nimport torch\n")]),
     "checkpoint_wrapper_names": (
         "issue 23 item 3: Adam state named from named_parameters(), wrapper prefixes included",
-        [("distributed/sharded_state.py", "AC_NAMES_TODO", "AC_NAMES_TODO")]),
+        [("distributed/sharded_state.py", "    params = parameter_names(model)\n",
+          "    params = dict(model.named_parameters(remove_duplicate=False))\n")]),
     "ddp_divides_by_dp_x_cp": (
         "DDP's hook divides the gradients summed over dp x cp by the group size (dp x cp), not by dp",
         [("distributed/data_parallel.py", "ddp.register_comm_hook((axis, grid.batch.size)",

@@ -1,11 +1,18 @@
-"""I/O errors on shared file systems: a build-once cache on a mount without flock."""
+"""I/O errors on shared file systems (issue 23, item 8): a build-once cache on a mount without flock, and what
+counts as a corrupt checkpoint: only a short or damaged file does. An I/O error or a failed collective
+re-raises (the checkpoint may be good: falling back would let the next save's pruning delete it), and a
+checkpoint found unreadable is moved aside, never deleted."""
 
 import errno
 import fcntl
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+import distributed.sharded_state as sharded_state
+from tests.test_checkpoint import resumed_step, save, saved
 from tests.test_wikitext import load, write_text
 from utils.data import cache as data_cache
 
@@ -26,3 +33,60 @@ def test_cache_builds_without_flock(tmp_path, monkeypatch):
     assert len(list((tmp_path / "unlocked").glob("*.npy"))) == 3
     assert not list((tmp_path / "unlocked").glob("*.tmp"))  # no temporary file left behind
     np.testing.assert_array_equal(load(tmp_path / "unlocked").train, reference.train)  # reused
+
+
+def test_an_io_error_while_loading_re_raises_and_the_newer_checkpoint_survives(tmp_path, monkeypatch):
+    ck = saved(tmp_path)
+    real = sharded_state.dcp.load
+
+    def flaky(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sharded_state.dcp, "load", flaky)
+    with pytest.raises(OSError, match="Input/output error"):
+        resumed_step(ck)
+    monkeypatch.setattr(sharded_state.dcp, "load", real)
+    assert resumed_step(ck) == 3  # it was good all along
+    assert [p.name for p in ck.complete_steps()] == ["step_0000003", "step_0000002", "step_0000001"]
+
+
+def test_an_io_error_reading_the_state_re_raises(tmp_path, monkeypatch):
+    ck = saved(tmp_path)
+    real = Path.read_text
+
+    def stale(path, *args, **kwargs):
+        if path.name == "state.json" and path.parent.name == "step_0000003":
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", stale)
+    with pytest.raises(OSError, match="Stale file handle"):
+        resumed_step(ck)
+    assert (tmp_path / "checkpoints" / "step_0000003").is_dir()
+
+
+def test_a_collective_failure_while_loading_is_not_corruption(tmp_path, monkeypatch):
+    ck = saved(tmp_path)
+
+    def broken(*args, **kwargs):
+        raise sharded_state.CheckpointIOError("could not read the checkpoint",
+                                              [torch.distributed.DistNetworkError("Connection closed by peer")])
+
+    monkeypatch.setattr(sharded_state, "load_state", broken)
+    monkeypatch.setattr("utils.checkpoint.load_state", broken)
+    with pytest.raises(sharded_state.CheckpointIOError):
+        resumed_step(ck)
+    assert (tmp_path / "checkpoints" / "step_0000003").is_dir()
+
+
+def test_a_truncated_checkpoint_is_moved_aside_and_never_pruned(tmp_path):
+    ck = saved(tmp_path, keep=2)
+    data = ck.latest() / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:16])
+    assert resumed_step(ck) == 2
+    aside = tmp_path / "checkpoints" / "bad_step_0000003"
+    assert aside.is_dir() and not (tmp_path / "checkpoints" / "step_0000003").exists()
+    save(ck, 3)
+    save(ck, 4)  # prunes down to two complete checkpoints
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == \
+        ["bad_step_0000003", "step_0000003", "step_0000004"]

@@ -35,6 +35,7 @@ import logging
 import os
 import random
 import shutil
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 from distributed.collectives import all_reduce_, barrier, broadcast_object
-from distributed.sharded_state import View, load_state, read_shapes, save_state, truncated_files
+from distributed.sharded_state import View, load_state, read_shapes, save_state, transient, truncated_files
 from utils.comm import AxisGroup
 from utils.errors import ConfigError
 
@@ -228,12 +229,12 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def read_meta(self, path: Path) -> dict:
-        """state.json of a checkpoint; CorruptCheckpoint when it cannot be read."""
+        """state.json of a checkpoint; CorruptCheckpoint when it is missing or damaged (an I/O error re-raises)."""
         try:
             meta = json.loads((Path(path) / "state.json").read_text())
             int(meta["step"])
             return meta
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (FileNotFoundError, ValueError, KeyError, TypeError) as err:
             raise CorruptCheckpoint(Path(path) / "state.json", " ".join(str(err).split())) from None
 
     def check(self, path: Path, view: View) -> None:
@@ -242,6 +243,8 @@ class Checkpointer:
         try:
             shapes = read_shapes(Path(path))
         except Exception as err:  # a damaged pickle raises anything from EOFError to TypeError
+            if transient(err):
+                raise
             raise CorruptCheckpoint(Path(path) / ".metadata", " ".join(str(err).split())) from None
         for key, shape in view.global_shapes().items():
             if shapes.get(key) != shape:
@@ -251,14 +254,30 @@ class Checkpointer:
                                   "resume with the model settings that wrote it, or set trainer.resume=never")
 
     def load(self, path: Path, view: View) -> None:
-        """Fill `view` from `path` (collective); CorruptCheckpoint on every rank when any rank cannot read."""
+        """Fill `view` from `path` (collective); CorruptCheckpoint on every rank when any rank finds a short or
+        damaged file. An I/O error (EIO, ESTALE on a parallel file system) or a collective's failure re-raises:
+        the checkpoint may be good, and falling back would let the next save's pruning delete it."""
         try:
             load_state(view.tensors, Path(path), self.world)
         except Exception as err:  # DCP gathers every rank's read errors into one CheckpointException
             short = truncated_files(Path(path))
+            if not short and any(transient(cause) for cause in getattr(err, "causes", [err])):
+                raise
             reason = f"truncated: {', '.join(short)}" if short else " ".join(str(err).split())[-400:]
             raise CorruptCheckpoint(Path(path), reason) from None
         view.finish_load()
+
+    def set_aside(self, path: Path) -> Path | None:
+        """Rank 0: rename a checkpoint found unreadable to `bad_<name>`, out of reach of resume and pruning
+        (whose `step_*` it no longer matches), so that nothing deletes what a person may still recover."""
+        if self.rank != 0 or not Path(path).is_dir():
+            return None
+        aside = self.dir / f"bad_{Path(path).name}"
+        if aside.exists():
+            aside = self.dir / f"bad_{Path(path).name}.{time.time_ns()}"
+        os.rename(path, aside)
+        fsync_dir(self.dir)
+        return aside
 
 
 def choose_resume(resume: str, checkpointer: Checkpointer) -> tuple[list[Path], str]:
@@ -366,13 +385,21 @@ def resume_state(resume: str, checkpointer: Checkpointer, make_view: Callable[[d
             problem, flag = err, 1
         except ConfigError as err:
             problem, flag = err, 2
+        except Exception as err:  # noqa: BLE001 - an I/O error: every rank stops, none falls back
+            problem, flag = err, 3
         verdict = agreed(flag)
         if verdict == 0:
             try:
                 checkpointer.load(path, view)
             except CorruptCheckpoint as err:
                 problem, flag = err, 1
+            except Exception as err:  # noqa: BLE001
+                problem, flag = err, 3
             verdict = agreed(flag)
+        if verdict == 3:
+            if flag == 3:
+                raise problem
+            raise RuntimeError(f"another rank could not read checkpoint {path} (see its error); not falling back")
         if verdict == 0:
             if path != paths[0]:
                 log.warning(f"fell back to {path}: a newer checkpoint cannot be read")
@@ -380,6 +407,8 @@ def resume_state(resume: str, checkpointer: Checkpointer, make_view: Callable[[d
             return meta, view
         if verdict == 1 and isinstance(problem, CorruptCheckpoint):
             log.warning(f"rank {checkpointer.rank}: unreadable checkpoint {problem.file} ({problem.reason[:300]})")
+        if verdict == 1 and resume == "auto" and (aside := checkpointer.set_aside(path)) is not None:
+            log.warning(f"moved the unreadable checkpoint {path} aside to {aside} (kept, never pruned)")
         if verdict == 2:
             raise problem if isinstance(problem, ConfigError) else ConfigError(
                 f"another rank cannot use checkpoint {path}", "trainer.resume", "see that rank's error line")
