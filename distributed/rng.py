@@ -93,3 +93,19 @@ def per_shard(module: nn.Module, axes: tuple[AxisGroup, ...]) -> nn.Module:
     if dropout_probability(module) == 0 or coordinate(axes)[1] == 1 or isinstance(module, ShardedRandom):
         return module
     return ShardedRandom(module, axes)
+
+
+def rng_tensors(prefix: str) -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensors (torch, CUDA, Python's `random`) under `prefix`, for checkpoints."""
+    version, state, gauss = random.getstate()
+    tensors = {f"{prefix}torch": torch.get_rng_state(), f"{prefix}python": torch.tensor(state, dtype=torch.int64)}
+    if torch.cuda.is_available():
+        tensors[f"{prefix}cuda"] = torch.cuda.get_rng_state()
+    return tensors
+
+
+def set_rng_tensors(tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    torch.set_rng_state(tensors[f"{prefix}torch"])
+    random.setstate((3, tuple(int(v) for v in tensors[f"{prefix}python"]), None))
+    if f"{prefix}cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors[f"{prefix}cuda"])

@@ -16,7 +16,8 @@ import torch
 
 from distributed.sharded_state import View, read_full
 from tests.conftest import ROOT
-from utils.checkpoint import Checkpointer, choose_resume, resume_state, rng_tensors, set_rng_tensors
+from distributed.rng import rng_tensors, set_rng_tensors
+from utils.checkpoint import Checkpointer, choose_resume, resume_state
 from utils.comm import Grid
 from utils.errors import ConfigError
 
@@ -189,16 +190,6 @@ def test_another_model_is_refused(tmp_path):
                        (View({"w": torch.empty(3), "b": torch.empty(2)}), "b is missing")):
         with pytest.raises(ConfigError, match="written by another model: " + what):
             resume_state("auto", ck, lambda meta, path, v=view: v, torch.device("cpu"), LOG)
-
-
-def test_per_rank_files_of_earlier_versions_are_refused(tmp_path):
-    ck = saved(tmp_path, steps=(1,))
-    legacy = ck.step_dir(2)
-    legacy.mkdir()
-    (legacy / "rank_00000.pt").write_bytes(b"")
-    (legacy / "COMPLETE").write_text('{"step": 2, "ranks": 1}')
-    with pytest.raises(ConfigError, match="one file per rank, the format of earlier versions"):
-        resumed_step(ck)
 
 
 def test_background_save_copies_first_and_publishes_when_done(tmp_path):

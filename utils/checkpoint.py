@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable
@@ -49,22 +48,6 @@ from utils.errors import ConfigError
 
 MARKER = "COMPLETE"
 FORMAT = "dcp-1"
-
-
-def rng_tensors(prefix: str) -> dict[str, torch.Tensor]:
-    """This process's RNG states as tensors (torch, CUDA, Python's `random`) under `prefix`."""
-    version, state, gauss = random.getstate()
-    tensors = {f"{prefix}torch": torch.get_rng_state(), f"{prefix}python": torch.tensor(state, dtype=torch.int64)}
-    if torch.cuda.is_available():
-        tensors[f"{prefix}cuda"] = torch.cuda.get_rng_state()
-    return tensors
-
-
-def set_rng_tensors(tensors: dict[str, torch.Tensor], prefix: str) -> None:
-    torch.set_rng_state(tensors[f"{prefix}torch"])
-    random.setstate((3, tuple(int(v) for v in tensors[f"{prefix}python"]), None))
-    if f"{prefix}cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors[f"{prefix}cuda"])
 
 
 def fsync_dir(path: Path) -> None:
@@ -295,18 +278,10 @@ def choose_resume(resume: str, checkpointer: Checkpointer) -> tuple[list[Path], 
     if not path.is_dir():
         raise ConfigError(f"no checkpoint folder at {path}", "trainer.resume",
                           "use auto, never, a step number, a step_* name or a checkpoint folder")
-    if (checkpointer.marker(path) or {}).get("ranks") is not None:
-        _refuse_legacy(path)
     if not checkpointer.is_complete(path):
         raise ConfigError(f"checkpoint {path} is incomplete (a save that did not finish)", "trainer.resume",
                           "resume from another step, or use trainer.resume=auto (the newest complete one)")
     return [path], f"resuming from {path} (trainer.resume={resume})"
-
-
-def _refuse_legacy(path: Path) -> None:
-    raise ConfigError(f"checkpoint {path} has one file per rank, the format of earlier versions, which this "
-                      "version does not read", "trainer.resume",
-                      "finish that run with the version that wrote it, or set trainer.resume=never")
 
 
 def names_own_step(resume: str) -> bool:
@@ -323,9 +298,6 @@ def _resolve_named(resume: str, checkpointer: Checkpointer) -> Path:
 
 def _choose_auto(checkpointer: Checkpointer) -> tuple[list[Path], str]:
     complete = checkpointer.complete_steps()
-    newest = max(checkpointer.dir.glob("step_*"), default=None)
-    if newest is not None and (checkpointer.marker(newest) or {}).get("ranks") is not None:
-        _refuse_legacy(newest)
     hint = checkpointer.pointer()
     if not complete:
         partial = ", ".join(sorted(p.name for p in checkpointer.dir.glob("step_*")))
@@ -357,61 +329,64 @@ def _agreed_choice(resume: str, checkpointer: Checkpointer) -> tuple[list[Path],
     return decision
 
 
+READABLE, CORRUPT, REFUSED, FAILED = 0, 1, 2, 3  # a rank's verdict on a checkpoint; the worst one counts
+
+
+def _attempt(action: Callable[[], None]) -> tuple[int, Exception | None]:
+    """This rank's verdict on one step of reading a checkpoint, and its error."""
+    try:
+        action()
+        return READABLE, None
+    except CorruptCheckpoint as err:
+        return CORRUPT, err
+    except ConfigError as err:
+        return REFUSED, err
+    except Exception as err:  # noqa: BLE001 - I/O or a collective: every rank stops, none falls back
+        return FAILED, err
+
+
 def resume_state(resume: str, checkpointer: Checkpointer, make_view: Callable[[dict, Path], View],
                  device: torch.device, log: logging.Logger) -> tuple[dict, View] | None:
     """(state.json, the filled view) of the checkpoint to resume from, read by every rank from the same
     checkpoint; None: start at step 0. `make_view(meta, path)`: this rank's destination tensors.
 
     Rank 0 chooses (see choose_resume). Every rank reads the state and checks the checkpoint against its
-    view; the verdicts are max-reduced, so all go on together: a checkpoint some rank cannot read (or whose
-    load fails on any rank) moves every rank to the previous complete one, named in a warning; one refused
-    outright (another model) or nothing readable left stops every rank with the one-line error.
+    view; the verdicts are max-reduced, so all go on together: a checkpoint some rank finds short or damaged
+    moves every rank to the previous complete one, named in a warning (auto moves it aside); one refused
+    outright (another model) or nothing readable left stops every rank with the one-line error; an I/O or
+    collective error stops every rank with that error.
     """
     paths, why = _agreed_choice(resume, checkpointer)
     log.info(why)
     problem: Exception | None = None
-
-    def agreed(flag: int) -> int:
-        return int(all_reduce_(torch.tensor(flag, device=device), checkpointer.world, "max"))
-
     for path in paths:
-        meta = view = None
-        try:
-            meta = checkpointer.read_meta(path)
-            view = make_view(meta, path)
-            checkpointer.check(path, view)
-            flag = 0
-        except CorruptCheckpoint as err:
-            problem, flag = err, 1
-        except ConfigError as err:
-            problem, flag = err, 2
-        except Exception as err:  # noqa: BLE001 - an I/O error: every rank stops, none falls back
-            problem, flag = err, 3
-        verdict = agreed(flag)
-        if verdict == 0:
-            try:
-                checkpointer.load(path, view)
-            except CorruptCheckpoint as err:
-                problem, flag = err, 1
-            except Exception as err:  # noqa: BLE001
-                problem, flag = err, 3
-            verdict = agreed(flag)
-        if verdict == 3:
-            if flag == 3:
-                raise problem
-            raise RuntimeError(f"another rank could not read checkpoint {path} (see its error); not falling back")
-        if verdict == 0:
+        state: dict = {}
+
+        def read() -> None:
+            state["meta"] = checkpointer.read_meta(path)
+            state["view"] = make_view(state["meta"], path)
+            checkpointer.check(path, state["view"])
+
+        flag, problem = _attempt(read)
+        verdict = int(all_reduce_(torch.tensor(flag, device=device), checkpointer.world, "max"))
+        if verdict == READABLE:
+            flag, problem = _attempt(lambda: checkpointer.load(path, state["view"]))
+            verdict = int(all_reduce_(torch.tensor(flag, device=device), checkpointer.world, "max"))
+        if verdict == READABLE:
             if path != paths[0]:
                 log.warning(f"fell back to {path}: a newer checkpoint cannot be read")
-            log.info(f"resumed from {path} at step {meta['step']}")
-            return meta, view
-        if verdict == 1 and isinstance(problem, CorruptCheckpoint):
-            log.warning(f"rank {checkpointer.rank}: unreadable checkpoint {problem.file} ({problem.reason[:300]})")
-        if verdict == 1 and resume == "auto" and (aside := checkpointer.set_aside(path)) is not None:
-            log.warning(f"moved the unreadable checkpoint {path} aside to {aside} (kept, never pruned)")
-        if verdict == 2:
-            raise problem if isinstance(problem, ConfigError) else ConfigError(
+            log.info(f"resumed from {path} at step {state['meta']['step']}")
+            return state["meta"], state["view"]
+        if verdict == FAILED:
+            raise problem if flag == FAILED else RuntimeError(
+                f"another rank could not read checkpoint {path} (see its error); not falling back")
+        if verdict == REFUSED:
+            raise problem if flag == REFUSED else ConfigError(
                 f"another rank cannot use checkpoint {path}", "trainer.resume", "see that rank's error line")
+        if isinstance(problem, CorruptCheckpoint):
+            log.warning(f"rank {checkpointer.rank}: unreadable checkpoint {problem.file} ({problem.reason[:300]})")
+        if resume == "auto" and (aside := checkpointer.set_aside(path)) is not None:
+            log.warning(f"moved the unreadable checkpoint {path} aside to {aside} (kept, never pruned)")
     if paths:
         bad = f" ({problem.file} is unreadable)" if isinstance(problem, CorruptCheckpoint) else ""
         raise ConfigError(f"no readable checkpoint among {', '.join(p.name for p in paths)}{bad}", "trainer.resume",

@@ -15,9 +15,9 @@ from distributed.collectives import all_reduce_, mean_over
 from distributed.counting import count_compiled
 from distributed.data_parallel import no_sync, sync_partial_grads
 from distributed.grad_norm import clip_grad_norm
-from distributed.rng import seed_default_stream
+from distributed.rng import rng_tensors, seed_default_stream, set_rng_tensors
 from distributed.sharded_state import View, checkpoint_view, read_shapes
-from utils.checkpoint import Checkpointer, rng_tensors, set_rng_tensors
+from utils.checkpoint import Checkpointer
 from utils.comm import Grid
 from utils.data.batching import Loaders, SharedBatches
 from utils.errors import require
