@@ -14,7 +14,6 @@ import torch
 import distributed.sharded_state as sharded_state
 from tests.test_checkpoint import resumed_step, save, saved
 from tests.test_wikitext import load, write_text
-from utils.data import cache as data_cache
 
 
 def test_cache_builds_without_flock(tmp_path, monkeypatch):
