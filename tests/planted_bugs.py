@@ -73,7 +73,7 @@ def plant(tree: Path, edits: list[tuple[str, str, str]]) -> None:
 
 def run_matrix(tree: Path, first: bool) -> tuple[int, int, str]:
     """(failed, run, pytest's last line) of the matrix's accepted cases on `tree`."""
-    args = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_matrix.py",
+    args = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_matrix.py",
             "-k", "accepted", *(["-x"] if first else [])]
     proc = subprocess.run(args, cwd=tree, capture_output=True, text=True)
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
