@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ import networks.vit
 from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import sync_partial_grads
 from distributed.tensor.parallelize import parallelize
-from networks.blocks import Attention, ScaledDotProductAttention
+from networks.blocks import Attention, ScaledDotProductAttention, init_weights
 from networks.parallel_plan import BLOCK, check_followed
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
@@ -71,18 +70,9 @@ def test_plan_covers_every_layer_in_the_blocks(name):
 
 
 def _old_init_weights(module: nn.Module, std: float = 0.02, num_layers: int = 1, residual=()) -> None:
-    """The rule before the plan: output projections found by their name suffix."""
-    for name, m in module.named_modules():
-        if isinstance(m, nn.Linear):
-            scale = 1.0 / math.sqrt(2 * num_layers) if name.endswith(("attn.proj", "mlp.fc2")) else 1.0
-            nn.init.trunc_normal_(m.weight, std=std * scale, a=-2 * std, b=2 * std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=std)
+    """The rule before the plan: the scaled output projections found by their name suffix, the rest as now."""
+    by_name = [m for name, m in module.named_modules() if name.endswith(("attn.proj", "mlp.fc2"))]
+    init_weights(module, std, num_layers, residual=by_name)
 
 
 @pytest.mark.parametrize("name", MODELS)
