@@ -44,29 +44,23 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from utils.comm import Grid
 
 
-def fsdp_mesh(grid: Grid) -> DeviceMesh:
-    """The 1-D mesh over grid.replicas (flattened from the grid's mesh when it spans several axes)."""
-    return grid.replica_mesh
-
-
-def shard_data_parallel(model: nn.Module, *, grid: Grid, precision: str, reshard_after_forward: bool,
+def shard_data_parallel(model: nn.Module, *, grid: Grid, reshard_after_forward: bool,
                         pipeline: bool = False) -> nn.Module:
     """fully_shard every block and the root over dp x cp; `model` itself (now an FSDPModule) is returned.
-    `precision` does not change the policy (autocast computes in bf16; see the module docstring).
+    No precision setting: autocast computes in bf16 under every dp mode (see the module docstring).
     `pipeline`: `model` is this rank's cut of the pipeline, whose stages call its blocks and ends
     directly (the root's forward never runs): only the blocks are sharded, each its own FSDP root; the
     ends stay replicated and the pipeline's dp reduction covers them (distributed/pipeline/schedule.py)."""
     if grid.replicas.size == 1:
         return model
-    mesh = fsdp_mesh(grid)
-    # no param_dtype whatever `precision`: autocast does the casting, as under DDP (module docstring)
+    mesh = grid.replica_mesh  # 1-D over dp x cp
+    # no param_dtype: autocast does the casting, as under DDP (module docstring)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for block in model.blocks.children():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)

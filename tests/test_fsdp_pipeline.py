@@ -41,7 +41,7 @@ def vit(depth: int = 2) -> ViT:
 def _fsdp_bf16_block_keeps_fp32(rank: int, world_size: int) -> None:
     grid = init_grid(ParallelConfig(dp=world_size))
     serial = vit()
-    model = shard_data_parallel(copy.deepcopy(serial), grid=grid, precision="bf16", reshard_after_forward=True)
+    model = shard_data_parallel(copy.deepcopy(serial), grid=grid, reshard_after_forward=True)
     torch.manual_seed(1)
     x = torch.randn(2, 16, 32)  # (B, N, C): the residual stream entering a block
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

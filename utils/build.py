@@ -68,7 +68,7 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     # tp-sharded activations fork a stream per shard from it (distributed/rng.py).
     seed_default_stream(cfg.trainer.seed, grid)
     if cfg.parallel.dp_mode == "fsdp":
-        model = shard_data_parallel(model, grid=grid, precision=cfg.precision.mode, pipeline=plan is not None,
+        model = shard_data_parallel(model, grid=grid, pipeline=plan is not None,
                                     reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
         if plan is None:
             return BuiltModel(model, model, flops)

@@ -43,8 +43,8 @@ AXES = tuple(Axis)
 BATCH_AXES, REPLICA_AXES, SAME_BATCH_AXES = (Axis.DP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP)
 METRIC_AXES = BATCH_AXES + (Axis.PP,)
 # Every group any layer may use, created eagerly by init_grid (later creation on some ranks only would hang).
-GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), (Axis.DP,), (Axis.PP,), BATCH_AXES, REPLICA_AXES, SAME_BATCH_AXES,
-                         METRIC_AXES, AXES)
+GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), BATCH_AXES, (Axis.PP,), REPLICA_AXES, SAME_BATCH_AXES, METRIC_AXES,
+                         AXES)
 
 
 @dataclass
