@@ -4,6 +4,7 @@ re-raises (the checkpoint may be good: falling back would let the next save's pr
 checkpoint found unreadable is moved aside, never deleted."""
 
 import errno
+import logging
 import fcntl
 from pathlib import Path
 
@@ -89,3 +90,30 @@ def test_a_truncated_checkpoint_is_moved_aside_and_never_pruned(tmp_path):
     save(ck, 4)  # prunes down to two complete checkpoints
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == \
         ["bad_step_0000003", "step_0000003", "step_0000004"]
+
+
+def _one_rank_cannot_read(rank: int, world_size: int, tmp_path: str) -> None:
+    """Rank 0 hits an I/O error reading the newest checkpoint's state; rank 1 reads it fine."""
+    from utils.checkpoint import Checkpointer, resume_state
+    from utils.comm import ParallelConfig, init_grid
+
+    grid = init_grid(ParallelConfig(dp=world_size))
+    ck = Checkpointer(Path(tmp_path) / f"run{world_size}", grid.world, keep=3)
+    for step in (1, 2):
+        ck.save(step, {"w": torch.full((3,), float(step))}, {})
+    if rank == 0:
+        real = ck.read_meta
+        ck.read_meta = lambda path: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")) \
+            if path.name == "step_0000002" else real(path)
+    expected = (OSError, "Input/output error") if rank == 0 else (RuntimeError, "another rank could not read")
+    with pytest.raises(expected[0], match=expected[1]):  # every rank stops; none falls back to step 1
+        resume_state("auto", ck, lambda meta, path: sharded_state.View({"w": torch.empty(3)}), grid.device,
+                     logging.getLogger("test"))
+    assert ck.step_dir(2).is_dir()
+
+
+def test_an_io_error_on_one_rank_stops_every_rank(tmp_path):
+    """The verdict is agreed: rank 0's I/O error stops rank 1 too (no hang, no fallback on either)."""
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_one_rank_cannot_read, 2, tmp_path, str(tmp_path), timeout_s=60)

@@ -34,6 +34,7 @@ from utils.launch import restart_warning
 from utils.logger import hparam_values, setup_logging
 from utils.optim import build_optimizer, build_scheduler
 from utils.precision import autocast, configure_matmul, grad_scaler, precision_notice
+from utils.preemption import StopRequest
 from utils.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for, write_layout
 from utils.tasks import build_task
 from utils.trainer import Trainer
@@ -120,8 +121,6 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
 
     Stop signals are recorded from the first line on (a notice ahead of a time limit can arrive during a
     long checkpoint load or data preparation); the trainer's `fit` acts on them before its first step."""
-    from utils.preemption import StopRequest
-
     request = StopRequest(cfg.trainer.preempt_deadline_s).__enter__()
     try:
         sizes = check_grid(cfg.parallel)  # the one resolution of the axis sizes for this launch
