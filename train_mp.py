@@ -7,12 +7,12 @@ Starts world = tp*cp*pp*dp processes of `train.py` (dp = parallel.dp, or 1 when 
 `--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs, else CPU processes
 on gloo. Returns the first non-zero exit status; when a rank fails, the others are stopped at once.
 SIGTERM, SIGINT and SIGHUP are forwarded to the ranks, which checkpoint and exit (status 75); a rank
-never outlives the launcher. A script over utils/local_launch.py, where all of this lives.
+never outlives the launcher. A script over utils/cli/local_launch.py, where all of this lives.
 """
 
 import sys
 
-from utils.local_launch import launch_main as main
+from utils.cli.local_launch import launch_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

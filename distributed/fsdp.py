@@ -11,7 +11,7 @@ full model's), so per-rank bytes fall as 1/(dp x tp).
 Gradient convention (as DDP's hook here): summed over cp (each cp rank's loss covers only its own tokens
 of the same sequences) and averaged over dp, by reduce-scattering in fp32 and dividing by grid.batch's size
 (`set_gradient_divide_factor`; on gloo as a sum and a division). The gradient norm (distributed/grad_norm.py)
-sums each sharded gradient's squares over this mesh once; checkpoints (distributed/sharded_state.py) save
+sums each sharded gradient's squares over this mesh once; checkpoints (utils/checkpoints/sharded_state.py) save
 these DTensors as they are, or, under tp, gathered to the tp shard and resharded on load.
 
 Precision: FSDP's policy casts nothing (`MixedPrecisionPolicy(reduce_dtype=fp32)` for every mode); bf16

@@ -1,7 +1,7 @@
 """Dropout on sharded activations: one random stream per shard (Megatron's RNG tracker, reworked).
 
 Every rank's default generator is seeded per part of the batch (`grid.batch`) and pipeline rank
-(`utils.build.build_model`), so the ranks of a tp or cp group draw the same numbers. That is right for an
+(`utils.engine.build.build_model`), so the ranks of a tp or cp group draw the same numbers. That is right for an
 activation replicated over the group (the embedding dropout, the dropout after a row-parallel linear
 without sequence parallelism): every rank must apply the same mask, or the replicas drift apart. It
 is wrong for a sharded one (attention heads split over tp, the sequence split under sequence

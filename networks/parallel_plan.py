@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 from torch import nn
 
 from networks.blocks import ScaledDotProductAttention
-from utils.errors import ConfigError
+from utils import ConfigError
 
 
 class AttentionModule(Protocol):

@@ -16,7 +16,7 @@ names the attributes each uses, which a pipeline stage keeps (distributed/pipeli
 
 There is no 'exit' region: the head consumes the sequence region's layout directly (under tensor
 sequence parallelism the vocab-parallel head all-gathers the sequence itself). Greedy decoding for
-any layout is `utils.generate.greedy_decode`.
+any layout is `utils.tasks.generate.greedy_decode`.
 The vocabulary is padded to a multiple of `vocab_multiple` (tensor-parallel vocab splits, fast
 matmuls); padding changes neither the initial weights of real tokens nor the loss.
 """
@@ -32,7 +32,7 @@ from torch.nn.utils import skip_init
 
 from networks.blocks import Block, SequenceRegion, init_weights
 from networks.parallel_plan import BLOCK, ParallelPlan
-from utils.errors import require
+from utils import require
 
 POSITIONS = ("learned", "rotary")
 

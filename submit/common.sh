@@ -11,8 +11,8 @@
 # run_tests: the test suite in one task (the multi-rank tests start their own ranks).
 # Both run from the directory sbatch was called in: the repository root.
 
-EXIT_BAD_INPUT=2  # utils/errors.py: bad input, nothing started
-EXIT_PREEMPTED=75  # utils/preemption.py: stopped on a signal with a complete checkpoint; run again to continue
+EXIT_BAD_INPUT=2  # utils/__init__.py: bad input, nothing started
+EXIT_PREEMPTED=75  # utils/engine/preemption.py: stopped on a signal with a complete checkpoint; run again to continue
 
 # Ranks per node: one per GPU Slurm gives this node, else (CPU-only) the tasks per node it gives.
 tasks_per_node() {
@@ -28,14 +28,14 @@ tasks_per_node() {
 }
 
 # "ranks dp tp=.. cp=.. pp=..": the ranks the layout of these overrides needs (dp given) or a multiple of
-# which it needs (dp=0, derived from the world size): utils.launch.ranks_needed, from the composed config.
+# which it needs (dp=0, derived from the world size): utils.cli.launch.ranks_needed, from the composed config.
 # A bad override prints train.py's own one-line error and returns 2.
 layout_of() {
     python -c '
 import sys
-from utils.config import load_config
-from utils.errors import ConfigError, exit_bad_input
-from utils.launch import ranks_needed
+from utils.cli.config import load_config
+from utils import ConfigError, exit_bad_input
+from utils.cli.launch import ranks_needed
 try:
     p = load_config(sys.argv[1:])[0].parallel
 except ConfigError as err:
@@ -82,7 +82,7 @@ export_environment() {
     # the task's cores for the trainer's CPU threads (DataLoader workers run one thread each)
     export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}
     # No CUDA_VISIBLE_DEVICES here: a rank that sees all of its node's GPUs takes GPU SLURM_LOCALID, a rank
-    # bound to one (--gpus-per-task=1, --gpu-bind=single:1) takes that one (utils/launch.py pick_device).
+    # bound to one (--gpus-per-task=1, --gpu-bind=single:1) takes that one (utils/cli/launch.py pick_device).
 }
 
 # srun the command on `nodes` x `per_node` tasks; requeue the job when the ranks stopped with a checkpoint.
@@ -91,7 +91,7 @@ srun_and_requeue() {
     shift 2
     # --kill-on-bad-exit: one failed rank ends the others. That includes a rank that stopped with 75 while
     # its partners, stopped at the same step, still exit: srun's SIGTERM must not kill them (143 would hide
-    # the 75). The trainer leaves SIGTERM ignored once it has stopped with a checkpoint (utils/preemption.py);
+    # the 75). The trainer leaves SIGTERM ignored once it has stopped with a checkpoint (utils/engine/preemption.py);
     # past KillWait srun's SIGKILL still ends a rank that does not exit.
     srun -u --kill-on-bad-exit=1 --nodes="$nodes" --ntasks-per-node="$per_node" --ntasks=$(( nodes * per_node )) \
         ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "$@"

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from functools import cache
 
-from utils.errors import ConfigError
+from utils import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 MAX_WORLD = 4
@@ -127,17 +127,17 @@ def space() -> tuple[Case, ...]:
 
 @cache
 def _base_configs():
-    from utils.config import load_config
+    from utils.cli.config import load_config
 
     return {model: load_config(args)[0] for model, args in MODEL_ARGS.items()}
 
 
 def refusal(case: Case) -> str | None:
     """The one-line error the trainer refuses the case with before any work, or None if it accepts it."""
-    from distributed.pipeline.plan import resolve_plan
+    from distributed.pipeline.stage_plan import resolve_plan
     from utils.comm import check_grid
     from utils.data.batching import check_batch
-    from utils.launch import LaunchEnv
+    from utils.cli.launch import LaunchEnv
 
     base = _base_configs()[case.model]
     tp, cp, pp, dp = case.sizes

@@ -34,7 +34,7 @@ PLANTS = {  # name -> (what the defect does, [(file, text in the fixed code, the
          ("distributed/context/ring.py", "\nimport torch\n", "\nimport contextlib\n\nimport torch\n")]),
     "checkpoint_wrapper_names": (
         "issue 23 item 3: Adam state named from named_parameters(), wrapper prefixes included",
-        [("distributed/sharded_state.py", "    params = parameter_names(model)\n",
+        [("utils/checkpoints/sharded_state.py", "    params = parameter_names(model)\n",
           "    params = dict(model.named_parameters(remove_duplicate=False))\n")]),
     "ddp_divides_by_dp_x_cp": (
         "DDP's hook divides the gradients summed over dp x cp by the group size (dp x cp), not by dp",

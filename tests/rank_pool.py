@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
-PRELOAD = ("train", "utils.build", "utils.trainer", "torch.distributed.pipelining", "torch.distributed.fsdp",
-           "torch.distributed.checkpoint", "torch.utils.tensorboard")
+PRELOAD = ("train", "utils.engine.build", "utils.engine.trainer", "torch.distributed.pipelining",
+           "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.utils.tensorboard")
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to fail or finish on their own
 
@@ -135,7 +135,7 @@ class RankPool:
             env: dict[str, str] | None = None) -> list[RankResult]:
         """`fn(rank, world, *args)` on `world` ranks; their results in rank order. Raises TimeoutError when
         a rank is not done within `timeout_s`, RuntimeError when a pooled process died."""
-        from utils.launch import free_port
+        from utils.cli.launch import free_port
 
         self._grow(world)
         self._next_job += 1
@@ -205,8 +205,8 @@ def run_entry_ranks(argv: list[str], world: int | None = None, timeout_s: float 
     """`python train.py argv` as `world` torchrun ranks would run it (default: the ranks its layout needs,
     as train_mp.py starts them), on the pool; each result's value is that rank's exit status."""
     if world is None:
-        from utils.config import load_config
-        from utils.launch import ranks_needed
+        from utils.cli.config import load_config
+        from utils.cli.launch import ranks_needed
 
         world = ranks_needed(load_config(list(argv))[0].parallel)
     return pool().run(_entry, world, list(argv), timeout_s=timeout_s)

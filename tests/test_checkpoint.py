@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed.sharded_state import View, read_full
-from tests.conftest import ROOT
 from distributed.rng import rng_tensors, set_rng_tensors
-from utils.checkpoint import Checkpointer, choose_resume, resume_state
+from tests.conftest import ROOT
+from utils import ConfigError
+from utils.checkpoints.checkpointer import Checkpointer, choose_resume, resume_state
+from utils.checkpoints.sharded_state import View, read_full
 from utils.comm import Grid
-from utils.errors import ConfigError
 
 WORLD = Grid.serial().world  # one process
 LOG = logging.getLogger("test_checkpoint")
@@ -140,7 +140,7 @@ def test_resave_that_dies_between_renames_is_recovered(tmp_path, monkeypatch):
 
 def test_a_failed_save_prunes_nothing(tmp_path, monkeypatch):
     ck = saved(tmp_path, steps=(1, 2), keep=2)
-    monkeypatch.setattr("utils.checkpoint.save_state",
+    monkeypatch.setattr("utils.checkpoints.checkpointer.save_state",
                         lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(OSError):
         save(ck, 3)
@@ -204,7 +204,7 @@ def test_background_save_copies_first_and_publishes_when_done(tmp_path):
 
 KILLED_DURING_BACKGROUND_SAVE = """
 import os, signal, sys, torch
-from utils.checkpoint import Checkpointer
+from utils.checkpoints.checkpointer import Checkpointer
 from utils.comm import Grid
 ck = Checkpointer(sys.argv[1], Grid.serial().world)
 ck.save(1, {"w": torch.ones(3)}, {})

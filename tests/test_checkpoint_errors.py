@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import distributed.sharded_state as sharded_state
 from tests.test_checkpoint import resumed_step, save, saved
 from tests.test_wikitext import load, write_text
+import utils.checkpoints.sharded_state as sharded_state
 
 
 def test_cache_builds_without_flock(tmp_path, monkeypatch):
@@ -73,7 +73,7 @@ def test_a_collective_failure_while_loading_is_not_corruption(tmp_path, monkeypa
                                               [torch.distributed.DistNetworkError("Connection closed by peer")])
 
     monkeypatch.setattr(sharded_state, "load_state", broken)
-    monkeypatch.setattr("utils.checkpoint.load_state", broken)
+    monkeypatch.setattr("utils.checkpoints.checkpointer.load_state", broken)
     with pytest.raises(sharded_state.CheckpointIOError):
         resumed_step(ck)
     assert (tmp_path / "checkpoints" / "step_0000003").is_dir()
@@ -94,7 +94,7 @@ def test_a_truncated_checkpoint_is_moved_aside_and_never_pruned(tmp_path):
 
 def _one_rank_cannot_read(rank: int, world_size: int, tmp_path: str) -> None:
     """Rank 0 hits an I/O error reading the newest checkpoint's state; rank 1 reads it fine."""
-    from utils.checkpoint import Checkpointer, resume_state
+    from utils.checkpoints.checkpointer import Checkpointer, resume_state
     from utils.comm import ParallelConfig, init_grid
 
     grid = init_grid(ParallelConfig(dp=world_size))

@@ -28,7 +28,7 @@ def losses(run_dir) -> list[float]:
 
 @pytest.mark.parametrize("first,then", [("true", "false"), ("false", "true")])
 def test_resume_with_activation_checkpointing_toggled(first, then, tmp_path, era5_root):
-    from distributed.sharded_state import read_shapes
+    from utils.checkpoints.sharded_state import read_shapes
 
     reference = tmp_path / "reference"
     train(reference, era5_root)

@@ -1,4 +1,4 @@
-"""utils/compare.py on three real runs of train.py's tiny ViT: one process, two-rank data parallel, two-rank
+"""utils/compare/report.py on three real runs of train.py's tiny ViT: one process, two-rank data parallel, two-rank
 tensor parallel.
 
 The table's values are checked against the runs' TensorBoard events as tests.conftest.read_scalars reads
@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import ROOT, read_scalars, run_entry
-from utils.compare import layout_of, main, read_curves
+from utils.compare.report import layout_of, main, read_curves
 
 TINY = ["trainer.max_steps=4", "trainer.val_every=2", "trainer.log_every=2", "trainer.ckpt_every=0",
         "trainer.num_workers=1", "trainer.worker_start=fork", "trainer.global_batch_size=8"]
@@ -132,7 +132,7 @@ def test_layout_from_layout_json_or_from_an_old_runs_config(tmp_path):
     """layout.json (the last launch's resolved layout) gives the layout, a derived dp included; a run directory
     from before layout.json: config.yaml's explicit sizes in grid order, a derived dp as one rank."""
     from utils.comm import Grid, ParallelConfig, parse_order, resolve_sizes
-    from utils.runs import write_layout
+    from utils.cli.runs import write_layout
 
     parallel = {"tp": 2, "cp": 1, "pp": 1, "dp": 2, "order": "tp-cp-dp-pp"}
     assert layout_of(tmp_path, parallel) == ("tp2 x dp2", 4)

@@ -3,8 +3,8 @@
 import pytest
 
 from networks.vit import ViTConfig
-from utils.config import load_config, presets
-from utils.errors import ConfigError
+from utils import ConfigError
+from utils.cli.config import load_config, presets
 
 
 def test_default_composes_to_typed_dataclasses():

@@ -2,7 +2,7 @@
 
 tests/data/resolved_configs.json maps each command line (its overrides joined by spaces; "" is the default
 config) to what `load_config` makes of it: the chosen preset per group, the resolved YAML, and the default
-run-directory name (whose digest names the settings beyond the presets, utils/runs.py). Moving a default
+run-directory name (whose digest names the settings beyond the presets, utils/cli/runs.py). Moving a default
 between the YAML and the schemas, or sharing a block between presets, must leave all three unchanged.
 
 The golden file records intended behaviour: regenerate it (`python -m tests.test_config_presets`) only for
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from utils.config import compose_config, load_config, presets
+from utils.cli.config import compose_config, load_config, presets
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "resolved_configs.json"
 GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")
@@ -50,7 +50,7 @@ def cases() -> list[list[str]]:
 
 def resolve(overrides: list[str]) -> dict:
     """Chosen presets, resolved YAML and default run-directory name (layout part fixed) of a command line."""
-    from utils.runs import run_dir_for
+    from utils.cli.runs import run_dir_for
 
     cfg, choices, yaml = load_config(overrides)
     result = {"choices": choices, "config": yaml, "run_dir": run_dir_for(cfg, choices, yaml, "LAYOUT").name}

@@ -21,7 +21,7 @@ from networks.vit import ViT, ViTConfig
 from tests.dist_utils import run_ranks
 from tests.test_parallelize import _compare_grads
 from utils.comm import ParallelConfig, init_grid
-from utils.generate import greedy_decode
+from utils.tasks.generate import greedy_decode
 
 BATCH, EMBED, DEPTH = 2, 32, 2
 
@@ -125,7 +125,7 @@ def _check_dropout_streams(grid, sp: bool) -> None:
         if isinstance(module, nn.Dropout):
             module.register_forward_hook(
                 lambda m, args, out, name=name: masks.__setitem__(name, (out == 0) & (args[0] != 0)))
-    torch.manual_seed(1)  # one default stream per replica, as utils.build seeds it
+    torch.manual_seed(1)  # one default stream per replica, as utils.engine.build seeds it
     model.train().loss(torch.randint(0, 50, (BATCH, 16)), torch.randint(0, 50, (BATCH, 16)))
     for name, mask in masks.items():
         parts = [torch.empty_like(mask, dtype=torch.int32) for _ in range(group.size)]

@@ -2,9 +2,9 @@
 
 import pytest
 
+from utils import ConfigError
+from utils.cli.config import TrainerConfig
 from utils.data.batching import GlobalBatchSampler, check_batch, contiguous_part
-from utils.errors import ConfigError
-from utils.trainer_config import TrainerConfig
 
 
 def take(sampler, n):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from utils import ConfigError
 from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
 from utils.data.era5_synthetic import ensure_synthetic
-from utils.errors import ConfigError
 
 C, H, W = 3, 12, 20
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, read_scalars
-from utils.preemption import EXIT_PREEMPTED, SIGNALS
+from utils.engine.preemption import EXIT_PREEMPTED, SIGNALS
 
 # A few-second run: 2 blocks of a 32-wide ViT, batches of 4, 8 validation pairs; default data workers
 TINY = ["model.depth=2", "model.embed_dim=32", "trainer.global_batch_size=4", "data.limit_nsamples_val=8",
@@ -121,8 +121,8 @@ def jobs():
 # keeps it: its loaders' persistent workers are then alive at exit unless fit ended them.
 HOLD_TRAINER = """if __name__ == "__main__":
     import sys
-    from utils.build import build_run
-    from utils.config import load_config
+    from utils.engine.build import build_run
+    from utils.cli.config import load_config
     cfg, choices, config_yaml = load_config(sys.argv[1:])
     trainer = build_run(cfg, choices, config_yaml)
     sys.exit(trainer.fit())

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from distributed.sharded_state import read_full
-from utils.build import build_run
-from utils.config import load_config
-from utils.export import main
+from utils.checkpoints.export import main
+from utils.checkpoints.sharded_state import read_full
+from utils.cli.config import load_config
+from utils.engine.build import build_run
 
 
 def make_trainer(run_dir, *overrides):
@@ -61,4 +61,4 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     torch.save({"weight": torch.zeros(2)}, tmp_path / "bare.pt")
     with pytest.raises(SystemExit):
         main(["import", str(tmp_path / "bare.pt"), str(tmp_path / "run")])
-    assert "not a file written by `python -m utils.export export`" in capsys.readouterr().err
+    assert "not a file written by `python -m utils.checkpoints.export export`" in capsys.readouterr().err

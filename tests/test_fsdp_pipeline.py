@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distributed.fsdp import shard_data_parallel
-from distributed.pipeline.plan import resolve_plan
+from distributed.pipeline.stage_plan import resolve_plan
 from distributed.pipeline.stages import StageModule, cut_for_rank
 from networks.vit import ViT, ViTConfig
 from tests.conftest import read_scalars, run_entry

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from tests.dist_utils import run_ranks
 from utils.comm import (AXES, Axis, Grid, ParallelConfig, batch_parts, init_grid, parse_order, rank_layout,
                         resolve_sizes)
-from utils.errors import ConfigError
+from utils import ConfigError
 
 
 def _layout(world: int, order: str, **sizes) -> dict[Axis, list[list[int]]]:
@@ -99,7 +99,7 @@ def test_init_grid_groups_match_layout(tmp_path):
 
 
 def test_layout_command_prints_pp_groups_and_the_blocks_of_every_stage(capsys):
-    from utils.comm import layout_main
+    from utils.plan.layout import main as layout_main
 
     assert layout_main(["pp=2", "dp=2", "depth=5", "pp_schedule=zbv"]) == 0
     out = capsys.readouterr().out

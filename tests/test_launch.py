@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from tests.conftest import ROOT, run_entry
-from utils.launch import free_port
-from utils.local_launch import supervise
+from utils.cli.launch import free_port
+from utils.cli.local_launch import supervise
 
 
 def test_train_mp_rejects_a_grid_that_does_not_fit():
@@ -59,8 +59,8 @@ def test_a_rank_whose_partner_failed_its_checks_does_not_hang(tmp_path, era5_roo
 def test_launch_environments():
     import pytest
 
-    from utils.launch import launch_env
-    from utils.errors import ConfigError
+    from utils.cli.launch import launch_env
+    from utils import ConfigError
 
     assert launch_env({}).world_size == 1
     torchrun = launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
@@ -72,7 +72,7 @@ def test_launch_environments():
     with pytest.raises(ConfigError) as info:
         launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
     assert info.value.setting == "MASTER_ADDR"
-    from utils.launch import restart_warning
+    from utils.cli.launch import restart_warning
 
     shared = {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_warning(shared)
@@ -86,8 +86,8 @@ def test_each_rank_finds_its_gpu(monkeypatch):
     import pytest
     import torch
 
-    from utils.errors import ConfigError
-    from utils.launch import pick_device
+    from utils import ConfigError
+    from utils.cli.launch import pick_device
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -138,7 +138,7 @@ def test_launcher_forwards_stop_signals_and_never_leaves_a_rank_behind(tmp_path,
     import signal
 
     from tests.test_train_e2e import run_until_signalled
-    from utils.preemption import EXIT_PREEMPTED
+    from utils.engine.preemption import EXIT_PREEMPTED
 
     for sig, name in ((signal.SIGTERM, "term"), (signal.SIGKILL, "kill")):
         run_dir = tmp_path / name
@@ -161,7 +161,7 @@ def test_a_stopped_rank_does_not_leave_the_job_waiting(tmp_path, era5_root):
     trainer.hang_timeout_s + 30 s."""
     import signal
 
-    from utils.watchdog import EXIT_HANG
+    from utils.engine.watchdog import EXIT_HANG
 
     run_dir = tmp_path / "run"
     args = [sys.executable, str(ROOT / "train_mp.py"), f"data.root={era5_root}", f"run.dir={run_dir}",
@@ -203,7 +203,7 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
 
     import torch
 
-    from distributed.sharded_state import read_full
+    from utils.checkpoints.sharded_state import read_full
     from tests.conftest import read_scalars
 
     def torchrun(name: str, restarts: int) -> tuple[subprocess.Popen, list[str]]:
@@ -257,7 +257,7 @@ def test_train_py_as_one_process_launches_the_ranks_of_the_layout(tmp_path):
     scalars = read_scalars(tmp_path)
     assert [step for step, _ in scalars["comm/tp_bytes"]] == [1, 2, 3] and all(v > 0 for _, v in scalars["comm/tp_bytes"])
     # one rank of the tp group read each batch and broadcast it: (x, y) of a per-rank batch
-    from utils.config import load_config
+    from utils.cli.config import load_config
     from utils.tasks import build_task
 
     cfg, _, _ = load_config(["parallel=tp2"])
@@ -280,15 +280,15 @@ def _project_imports(path: Path) -> set[str]:
 
 
 def test_no_library_module_imports_a_script_and_the_entry_modules_form_no_circle():
-    """train.py and train_mp.py are scripts over utils/entry.py and utils/local_launch.py: nothing imports them
+    """train.py and train_mp.py are scripts over utils/cli/entry.py and utils/cli/local_launch.py: nothing imports them
     (tests aside), and the entry modules (with the Hydra app) import each other one way only."""
     library = [p for d in ("utils", "distributed", "networks") for p in sorted((ROOT / d).rglob("*.py"))]
     scripts = [ROOT / "train.py", ROOT / "train_mp.py"]
     offenders = {str(p.relative_to(ROOT)): found for p in library + scripts
                  if (found := sorted(n for n in _project_imports(p) if n.split(".")[0] in ("train", "train_mp")))}
     assert not offenders, offenders
-    entry = {"utils.entry": "utils/entry.py", "utils.hydra_app": "utils/hydra_app.py",
-             "utils.local_launch": "utils/local_launch.py"}
+    entry = {"utils.cli.entry": "utils/cli/entry.py", "utils.cli.hydra_app": "utils/cli/hydra_app.py",
+             "utils.cli.local_launch": "utils/cli/local_launch.py"}
     edges = {m: {n for n in entry if n != m and n in _project_imports(ROOT / f)} for m, f in entry.items()}
-    assert edges == {"utils.entry": {"utils.hydra_app", "utils.local_launch"},
-                     "utils.hydra_app": {"utils.local_launch"}, "utils.local_launch": set()}, edges
+    assert edges == {"utils.cli.entry": {"utils.cli.hydra_app", "utils.cli.local_launch"},
+                     "utils.cli.hydra_app": {"utils.cli.local_launch"}, "utils.cli.local_launch": set()}, edges

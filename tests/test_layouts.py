@@ -17,12 +17,12 @@ import re
 import pytest
 
 from distributed.collectives import ring_bytes
-from distributed.sharded_state import read_shapes
 from tests.conftest import ROOT, read_scalars, read_tags
 from tests.rank_pool import run_entry_ranks
 from tests.test_plan import report_of
-from utils.config import load_config
-from utils.plan import GPUS, plan_layout
+from utils.checkpoints.sharded_state import read_shapes
+from utils.cli.config import load_config
+from utils.plan.cost_model import GPUS, plan_layout
 from utils.tasks import build_task
 
 STEPS = 10
@@ -100,7 +100,7 @@ def dp2_bytes_per_step(*overrides: str) -> int:
 
 
 def assert_planned(run_dir, overrides: list[str], world: int) -> None:
-    """The planner (utils/plan.py: the real trainer on a fake group, one shapes-only step) predicts the run's
+    """The planner (utils/plan/cost_model.py: the real trainer on a fake group, one shapes-only step) predicts the run's
     logged comm/<axis>_bytes of every axis and the bytes its rank 0 reports holding, exactly."""
     plan = plan_layout(overrides, GPUS["cpu"], world)
     logged = {tag[len("comm/"):-len("_bytes")]: values[0][1] for tag, values in read_scalars(run_dir).items()

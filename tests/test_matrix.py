@@ -58,7 +58,7 @@ def assert_exit(results, code: int) -> None:
 
 def summary(run_dir: Path) -> dict:
     """The logged curves and the final checkpoint's model and optimizer keys with their global shapes."""
-    from distributed.sharded_state import read_shapes
+    from utils.checkpoints.sharded_state import read_shapes
 
     scalars = read_scalars(run_dir)
     shapes = read_shapes(run_dir / "checkpoints" / f"step_{STEPS:07d}")

@@ -21,19 +21,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import networks.transformer
-import networks.vit
 from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import sync_partial_grads
 from distributed.tensor.parallelize import parallelize
 from networks.blocks import Attention, ScaledDotProductAttention, init_weights
 from networks.parallel_plan import BLOCK, check_followed
+import networks.transformer
 from networks.transformer import GPT, GPTConfig
+import networks.vit
 from networks.vit import ViT, ViTConfig
 from tests.dist_utils import run_ranks
 from tests.test_parallelize import _compare_grads
+from utils import ConfigError
 from utils.comm import ParallelConfig, init_grid
-from utils.errors import ConfigError
 
 EMBED, DEPTH = 32, 2
 

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from networks.vit import ViT, ViTConfig
-from utils.config import load_config
-from utils.errors import ConfigError
-from utils.metrics import RelativeL2Loss, weighted_rmse
+from networks.vit import RelativeL2Loss
+from utils import ConfigError
+from utils.cli.config import load_config
+from utils.tasks.weather_metrics import weighted_rmse
 
 
 def test_vit_maps_fields_to_fields():

@@ -14,9 +14,9 @@ import torch
 
 from tests.dist_utils import run_ranks
 from tests.test_precision import make_trainer
-from utils.config import load_config
-from utils.errors import ConfigError
-from utils.step_results import StepResult
+from utils import ConfigError
+from utils.cli.config import load_config
+from utils.engine.step_results import StepResult
 
 
 def _one_rank_nan(rank: int, world_size: int, run_dir: str, era5_root: str, policy: str) -> None:

@@ -34,9 +34,9 @@ from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
 from tests.dist_utils import run_ranks
+from utils import ConfigError
+from utils.cli.config import load_config
 from utils.comm import Grid, ParallelConfig, init_grid
-from utils.config import load_config
-from utils.errors import ConfigError
 
 BATCH, IMG, CHANNELS, DEPTH, EMBED = 2, (16, 32), 3, 2, 32
 
@@ -220,7 +220,7 @@ def _check_dropout_streams(grid: Grid, sp: bool) -> None:
     sharded = {name for name in drops if name.endswith(".inner")}
     assert sharded == ({f"blocks.{i}.{d}.inner" for i in range(DEPTH) for d in ("drop", "mlp.drop")} if sp else set())
     assert all(isinstance(b.attn.attend, ShardedRandom) for b in model.blocks)  # heads are always split
-    torch.manual_seed(1)  # one default stream across tp, as utils.build seeds it
+    torch.manual_seed(1)  # one default stream across tp, as utils.engine.build seeds it
     model.loss(torch.randint(0, 50, (BATCH, 8)), torch.randint(0, 50, (BATCH, 8)))
     for name, mask in masks.items():
         gathered = _gather(mask.int(), axis, 0).chunk(axis.size)

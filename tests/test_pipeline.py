@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from distributed.grad_norm import grad_norm
-from distributed.pipeline.plan import SCHEDULES, block_split, bubble_fraction, resolve_plan
 from distributed.pipeline.schedule import Pipeline, PipelineForward
+from distributed.pipeline.stage_plan import SCHEDULES, block_split, bubble_fraction, resolve_plan
 from distributed.pipeline.stages import build_stages, cut_for_rank
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
 from tests.dist_utils import run_ranks
+from utils import ConfigError
+from utils.cli.config import load_config
 from utils.comm import Axis, ParallelConfig, init_grid
-from utils.config import load_config
-from utils.errors import ConfigError
 
 EMBED, BATCH, SEQ, VOCAB, MICRO, DEPTH = 32, 8, 16, 50, 8, 8
 

@@ -1,10 +1,10 @@
-"""The layout planner (utils/plan.py) against what real runs measure.
+"""The layout planner (utils/plan/cost_model.py) against what real runs measure.
 
 Comm bytes per axis: equal to the comm/<axis>_bytes real multi-rank runs log, and the held bytes to their
 logged report: checked on the runs tests/test_layouts.py makes anyway (dp2, cp2 x dp2, tp2 x dp2:
 `assert_planned`). Parameter, gradient and Adam bytes: equal to a real trainer's after a real step (one
 process). Activation bytes: equal to
-utils.bench.saved_for_backward_bytes on real tensors. And the command line: --help, --json, bad input.
+utils.bench.train_step.saved_for_backward_bytes on real tensors. And the command line: --help, --json, bad input.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from utils.plan import GPUS, Hardware, link_gbs, main, plan_layout
+from utils.plan.cost_model import GPUS, Hardware, link_gbs, main, plan_layout
 
 TINY = ["trainer.global_batch_size=8"]
 RUN = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]
 
 
 def report_of(plan) -> str:
-    """utils.build.param_bytes_report's wording, from the planned bytes."""
+    """utils.engine.build.param_bytes_report's wording, from the planned bytes."""
     n = plan.param_bytes // 4  # fp32 weights
     return (f"this rank holds {n / 1e6:.2f}M parameters: {plan.param_bytes / 2**20:.1f} MiB weights, "
             f"{plan.grad_bytes / 2**20:.1f} MiB gradients, {plan.optimizer_bytes / 2**20:.1f} MiB optimizer state")
@@ -37,10 +37,10 @@ def real_step(overrides):
     import tempfile
     from pathlib import Path
 
-    from utils.bench import saved_for_backward_bytes
-    from utils.build import build_trainer
+    from utils.bench.train_step import saved_for_backward_bytes
+    from utils.engine.build import build_trainer
     from utils.comm import Grid
-    from utils.config import load_config
+    from utils.cli.config import load_config
     from utils.tasks import build_task
 
     cfg = load_config(overrides)[0]
@@ -85,7 +85,7 @@ def test_json_has_the_documented_keys(capsys):
 
 
 def test_help_exits_0_without_torch():
-    code = "import sys, utils.plan as p; assert p.main(['--help']) == 0; assert 'torch' not in sys.modules"
+    code = "import sys, utils.plan.cost_model as p; assert p.main(['--help']) == 0; assert 'torch' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "python -m utils.plan" in proc.stdout

@@ -1,5 +1,5 @@
 """Precision modes, loss scaling, gradient accumulation and activation checkpointing, through the real
-build path (utils.build.build_run, as train.py) in-process, for the ViT and the language model."""
+build path (utils.engine.build.build_run, as train.py) in-process, for the ViT and the language model."""
 
 import json
 import math
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.dist_utils import run_ranks
-from utils.build import build_run
-from utils.config import load_config
+from utils.cli.config import load_config
 from utils.comm import ParallelConfig, init_grid
-from utils.precision import GridGradScaler
+from utils.engine.build import build_run
+from utils.engine.precision import GridGradScaler
 
 
 def make_trainer(run_dir, *overrides):
@@ -90,7 +90,7 @@ def test_compiled_training_follows_eager(workload, workloads, tmp_path):
 
 
 def test_slow_or_idle_precision_is_announced_in_one_line():
-    from utils.precision import precision_notice
+    from utils.engine.precision import precision_notice
 
     cpu = torch.device("cpu")
     assert "use precision=bf16 or precision=fp32" in precision_notice("fp16", cpu)
@@ -103,7 +103,7 @@ def test_a_long_first_step_says_so_within_seconds():
     import logging
     import time
 
-    from utils.logger import Progress
+    from utils.engine.logger import Progress
 
     class Lines(logging.Handler):
         def __init__(self):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from utils.preemption import EXIT_LATE, SIGNALS, StopRequest
+from utils.engine.preemption import EXIT_LATE, SIGNALS, StopRequest
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_handlers_restored_without_a_stop(handlers_kept):
 
 def test_a_request_installed_in_set_up_is_entered_again_by_fit(handlers_kept):
     """build_run installs the request, fit enters the same one: a signal between the two is kept, and the
-    exit puts back the handlers from before set-up (utils/build.py, utils/trainer.py)."""
+    exit puts back the handlers from before set-up (utils/engine/build.py, utils/engine/trainer.py)."""
     request = StopRequest(60).__enter__()
     os.kill(os.getpid(), signal.SIGUSR1)  # during set-up
     time.sleep(0.05)
@@ -68,7 +68,7 @@ def test_a_second_ctrl_c_interrupts_at_once(handlers_kept):
 
 
 def test_no_checkpoint_within_the_deadline_exits_76():
-    code = ("import os, signal, time\nfrom utils.preemption import StopRequest\n"
+    code = ("import os, signal, time\nfrom utils.engine.preemption import StopRequest\n"
             "with StopRequest(0.5):\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)

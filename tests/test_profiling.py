@@ -8,8 +8,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.test_precision import make_trainer
-from utils.config import load_config
-from utils.errors import ConfigError
+from utils import ConfigError
+from utils.cli.config import load_config
 
 
 def test_profile_of_steps_2_to_3(tmp_path, era5_root):

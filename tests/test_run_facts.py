@@ -1,14 +1,14 @@
-"""Run facts are data: each launch writes its resolved layout as run.dir/layout.json (utils/runs.py), which
-tools (utils/compare.py) and tests read instead of log text."""
+"""Run facts are data: each launch writes its resolved layout as run.dir/layout.json (utils/cli/runs.py), which
+tools (utils/compare/report.py) and tests read instead of log text."""
 
 from __future__ import annotations
 
 import json
 
 from tests.rank_pool import run_entry_ranks
+from utils.cli.runs import LAYOUT_FILE, TASK_FILE, layout_facts, read_facts, read_layout, write_layout
 from utils.comm import Axis, Grid, ParallelConfig, parse_order, rank_layout, resolve_sizes
-from utils.compare import layout_of
-from utils.runs import LAYOUT_FILE, layout_facts, read_layout, write_layout
+from utils.compare.report import layout_of
 
 
 def _grid(world: int, order: str, **sizes) -> Grid:
@@ -51,3 +51,5 @@ def test_a_run_writes_its_resolved_layout_beside_its_config(tmp_path, era5_root)
     assert facts == layout_facts(Grid({Axis.TP: 1, Axis.CP: 1, Axis.DP: 2, Axis.PP: 1}, parse_order("tp-cp-dp-pp")))
     assert facts["groups"]["dp"] == [[0, 1]] and facts["world_size"] == 2
     assert layout_of(run_dir, {"dp": 0}) == ("dp2", 2)
+    assert read_facts(run_dir, TASK_FILE) == {"arch": "vit", "data": "era5", "quality_metric": "val/rmse/u10m",
+                                              "tokens_per_sample": 128}  # vit_tiny: 32x64 in 4x4 patches

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_entry
-from utils.config import load_config
-from utils.errors import ConfigError
-from utils.runs import check_resumable, differences, run_dir_for
+from utils import ConfigError
+from utils.cli.config import load_config
+from utils.cli.runs import check_resumable, differences, run_dir_for
 
 
 def default_dir(*overrides):

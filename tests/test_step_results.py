@@ -14,8 +14,8 @@ import torch
 from tests.conftest import read_scalars
 from tests.dist_utils import run_ranks
 from tests.test_precision import make_trainer
-from utils.preemption import EXIT_PREEMPTED, SIGNALS
-from utils.step_results import StepResult, StepResults
+from utils.engine.preemption import EXIT_PREEMPTED, SIGNALS
+from utils.engine.step_results import StepResult, StepResults
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 

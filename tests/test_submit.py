@@ -247,7 +247,7 @@ def test_a_layout_the_allocation_cannot_hold_stops_before_any_rank_starts(standi
 def test_ranks_stopped_with_a_checkpoint_requeue_the_job(standin, tmp_path, era5_root):
     """SIGUSR1 to every rank (what --signal=USR1@120 does): both checkpoint and exit 75, and the script
     requeues the job. The first rank out makes srun SIGTERM the other while it still exits: unless a
-    rank ignores SIGTERM once it has stopped (utils/preemption.py), it can die of it (143, outranking the
+    rank ignores SIGTERM once it has stopped (utils/engine/preemption.py), it can die of it (143, outranking the
     75) and nothing is requeued (5 of 7 tries here before they ignored it)."""
     run_dir = tmp_path / "run"
     job_id = free_job_id()

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, read_scalars
-from utils.hydra_app import is_hydra_command, with_sweep_subdir
+from utils.cli.hydra_app import is_hydra_command, with_sweep_subdir
 
 TINY = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
         "trainer.global_batch_size=4", "model.depth=1", "data.limit_nsamples_val=8"]
@@ -31,11 +31,11 @@ def train(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedPr
 
 
 def single_run_dir(*args: str) -> Path:
-    """run.dir of `python train.py ARGS` as a single run (utils.runs naming, its layout on as many ranks)."""
+    """run.dir of `python train.py ARGS` as a single run (utils.cli.runs naming, its layout on as many ranks)."""
     from utils.comm import check_grid, layout_name, parse_order
-    from utils.config import load_config
-    from utils.launch import LaunchEnv, ranks_needed
-    from utils.runs import run_dir_for
+    from utils.cli.config import load_config
+    from utils.cli.launch import LaunchEnv, ranks_needed
+    from utils.cli.runs import run_dir_for
 
     cfg, choices, config_yaml = load_config(list(args))
     sizes = check_grid(cfg.parallel, LaunchEnv(world_size=ranks_needed(cfg.parallel)))

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from networks.vit import RelativeL2Loss
+from utils.cli.config import load_config
 from utils.comm import Grid
-from utils.config import load_config
 from utils.data.batching import build_loaders
-from utils.metrics import RelativeL2Loss
 from utils.tasks import build_task
 
 

@@ -13,8 +13,8 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 from tests.test_precision import make_trainer
-from utils.figures import field_panels
-from utils.logger import FIRST_SCREEN
+from utils.engine.logger import FIRST_SCREEN
+from utils.tasks.figures import field_panels
 
 STEPS = 4
 SHORT = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.global_batch_size=8"]

@@ -112,7 +112,7 @@ def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tm
     uninterrupted losses bitwise."""
     import signal
 
-    from utils.preemption import EXIT_PREEMPTED
+    from utils.engine.preemption import EXIT_PREEMPTED
 
     common = ["trainer.max_steps=12", "trainer.val_every=0", "trainer.ckpt_every=0"]
     run_dir = tmp_path / "stopped"

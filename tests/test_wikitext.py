@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from utils import ConfigError
 from utils.data import cache as data_cache
 from utils.data import corpus
 from utils.data import wikitext as wt
-from utils.errors import ConfigError
 from utils.data.wikitext import LMBlockDataset, WikiTextConfig, load_wikitext, unigram_perplexity
 
 TRAIN = [" ", " = Valid Heading = ", " ", " the cat sat on the mat . ", " ", " the dog sat on a <unk> . ",

@@ -42,7 +42,7 @@ class ContextParallelAttention(nn.Module):
     def __init__(self, shards: ContextShards, causal: bool, variant: str, dropout: float = 0.0):
         super().__init__()
         assert variant in VARIANTS, variant
-        assert variant == "allgather" or dropout == 0, "ring attention has no dropout (refused by utils.config)"
+        assert variant == "allgather" or dropout == 0, "ring attention has no dropout (refused by utils.cli.config)"
         self.shards, self.causal, self.variant, self.dropout = shards, causal, variant, dropout
 
     @classmethod

@@ -21,8 +21,8 @@ import torch
 
 from distributed.context.ring import position_bounds
 from distributed.mappings import gather_from_region
+from utils import require
 from utils.comm import AxisGroup
-from utils.errors import require
 
 
 def chunk_positions(length: int, size: int, balanced: bool) -> list[torch.Tensor]:

@@ -26,10 +26,10 @@ from torch import nn
 
 from distributed.collectives import all_reduce_, broadcast_, recv, send
 from distributed.data_parallel import sum_grads
-from distributed.pipeline.plan import SCHEDULES, PipelinePlan
+from distributed.pipeline.stage_plan import SCHEDULES, PipelinePlan
 from distributed.pipeline.stages import CountedStage, StageModule
+from utils import ConfigError
 from utils.comm import Axis, Grid
-from utils.errors import ConfigError
 
 
 class Pipeline:

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage
 from distributed.collectives import nbytes, split_sizes
 from distributed.context.parallelize import EnterContext
 from distributed.counting import record
-from distributed.pipeline.plan import PipelinePlan
+from distributed.pipeline.stage_plan import PipelinePlan
 from distributed.tensor.layers import ScatterSequence
 from utils.comm import AxisGroup
 

@@ -37,15 +37,15 @@ from distributed.tensor.layers import (ColumnParallelLinear, GatherSequence, Row
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.blocks import SequenceRegion
 from networks.parallel_plan import ParallelModel, ParallelPlan, Part, check_followed
+from utils import ConfigError
 from utils.comm import Axis, AxisGroup, Grid
-from utils.errors import ConfigError
 
 
 def parallelize(model: ParallelModel, *, grid: Grid, sequence_parallel: bool, keep_gathered: bool = False) -> nn.Module:
     """Shard `model` over grid's tp axis in place and return it (unchanged at tp == 1). `keep_gathered`:
     column-parallel layers under sequence parallelism save their gathered input, not their shard.
 
-    tp must divide every attention layer's head count (a user setting checked by utils.config.Config).
+    tp must divide every attention layer's head count (a user setting checked by utils.cli.config.Config).
     """
     axis = grid.axis(Axis.TP)
     if axis.size == 1:

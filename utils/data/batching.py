@@ -30,9 +30,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from distributed.collectives import broadcast_, broadcast_object, nbytes
+from utils import require
 from utils.comm import AxisGroup
-from utils.errors import require
-from utils.preemption import ignore_stop_signals, stop_signals_blocked
+from utils.engine.preemption import ignore_stop_signals, stop_signals_blocked
 
 WORKER_STARTS = ("forkserver", "spawn", "fork")  # multiprocessing start methods for data workers
 

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from utils.errors import ConfigError
+from utils import ConfigError
 
 
 def user_cache_dir() -> Path:

@@ -23,8 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from utils import ConfigError
 from utils.data.cache import user_cache_dir
-from utils.errors import ConfigError
 
 VERSION = 1  # bump when the generated text changes, so stale copies are not reused
 FILES = ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens")

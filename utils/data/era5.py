@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from utils.errors import ConfigError, require
+from utils import ConfigError, require
 
 # The 20 channels of the NERSC/FourCastNet subset, in file order (u10m first).
 CHANNELS = ["u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850", "v850", "z850",

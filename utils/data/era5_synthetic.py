@@ -16,9 +16,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from utils import ConfigError
 from utils.data.cache import user_cache_dir
 from utils.data.era5 import CHANNELS
-from utils.errors import ConfigError
 
 GRID = (32, 64)  # (lat, lon) points: a 5.625-degree grid
 YEARS = {"train": [2016, 2017], "valid": [2018], "test": [2019]}

@@ -31,10 +31,10 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
+from utils import ConfigError, require
 from utils.data.cache import cache_folders, cached
 from utils.data.corpus import ensure_sample_corpus
 from utils.data.tokenizers import AnyTokenizer, BPETokenizer, WordTokenizer, encode_lines
-from utils.errors import ConfigError, require
 
 SPLITS = ("train", "valid", "test")
 HF_SPLITS = {"train": "train", "valid": "validation", "test": "test"}

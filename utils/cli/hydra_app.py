@@ -1,0 +1,177 @@
+"""Hydra's own command line for train.py: multirun sweeps and launchers, --cfg job|hydra|all, --info, hydra.*.
+
+train.py (utils/cli/entry.py) sends here only the command lines that need Hydra's app
+(`is_hydra_command`): -m/--multirun, --info, --cfg followed by job|hydra|all, hydra.* or hydra/* settings,
+-cn/-cp/-cd. A plain run keeps its
+fast path (load_config). Before Hydra starts, every point of a sweep is composed and validated like a
+single run, so a bad value stops the sweep with the one-line error and exit 2 before any point trains.
+
+Each point runs `task` (module level: the submitit launchers pickle it), which converts the config
+Hydra composed with the same `typed_config` as a single run and trains it with `run` (utils/cli/local_launch.py):
+- run.dir: the point's usual name under run.root (its overrides give it the digest the same single run
+  gets), unless hydra.run.dir=DIR or hydra.sweep.dir=DIR was given: then Hydra's job folder (DIR, or
+  DIR/<hydra.sweep.subdir>, by default DIR/<job number>) is the run.dir. An explicit run.dir wins.
+- ranks: one process for a layout of several ranks starts them (utils/cli/local_launch.py), as a single run does;
+  under a submitit launcher with several tasks per point (hydra.launcher.tasks_per_node, nodes), each
+  task is one rank: torch.distributed's variables come from submitit's view of the Slurm (or local) job.
+The basic launcher runs the points one after another and stops at the first that fails, with its exit
+status; a failed submitit job fails the sweep (Hydra reports it) and its error is in its .submitit log.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from utils import EXIT_BAD_INPUT, ConfigError, exit_bad_input
+
+ROOT = Path(__file__).resolve().parents[2]
+# Hydra's flags that make a command Hydra's (its argparse spelling); --cfg/-c only with a kind after it.
+HYDRA_FLAGS = ("-m", "--multirun", "--info", "-i", "-cn", "--config-name", "-cp", "--config-path", "-cd",
+               "--config-dir", "--hydra-help", "--version", "-r", "--run", "-sc", "--shell-completion")
+CFG_KINDS = ("job", "hydra", "all")
+
+
+def is_hydra_command(argv: list[str]) -> bool:
+    """Whether this command line needs Hydra's app rather than the single-run fast path."""
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in HYDRA_FLAGS or arg.lstrip("+~").startswith(("hydra.", "hydra/")):
+            return True
+        if flag in ("--cfg", "-c") and (value or (argv[i + 1] if i + 1 < len(argv) else "")) in CFG_KINDS:
+            return True
+    return False
+
+
+def _is_hydra_key(override: str) -> bool:
+    return override.lstrip("+~").startswith(("hydra.", "hydra/"))
+
+
+def _given(overrides, key: str) -> bool:
+    """Whether the command line sets `key` (hydra.run.dir, hydra.sweep.dir, ...)."""
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def with_sweep_subdir(argv: list[str], overrides: list[str]) -> list[str]:
+    """hydra.sweep.dir=DIR without a subdir: the points go to DIR/<job number> (Hydra's default), not to
+    DIR itself (config.yaml's subdir `.` keeps Hydra from making folders when no sweep dir is chosen)."""
+    if not _given(overrides, "hydra.sweep.dir") or _given(overrides, "hydra.sweep.subdir"):
+        return argv
+    end = next(i + len(overrides) for i in range(len(argv)) if argv[i:i + len(overrides)] == overrides)
+    return [*argv[:end], "hydra.sweep.subdir=${hydra.job.num}", *argv[end:]]
+
+
+def check_points(overrides: list[str], multirun: bool) -> str | None:
+    """Compose and validate every point as a single run (ConfigError at the first bad one); the sweep's
+    run.root (None when another sweeper chooses the points: Hydra validates those)."""
+    from utils.cli.config import load_config, sweep_points
+
+    hydra_args = [o for o in overrides if _is_hydra_key(o)]
+    task_args = [o for o in overrides if not _is_hydra_key(o)]
+    if multirun and (_given(hydra_args, "hydra/sweeper") or any(o.startswith("hydra.sweeper.") for o in hydra_args)):
+        return None
+    points = sweep_points(task_args) if multirun else [task_args]
+    cfgs = [load_config((hydra_args if i == 0 else []) + point)[0] for i, point in enumerate(points)]
+    return cfgs[0].run.root
+
+
+def main(argv: list[str]) -> int:
+    """Run Hydra's app (@hydra.main on config/config.yaml) for this command line; the exit status."""
+    from hydra import main as hydra_main
+    from hydra._internal.utils import get_args_parser
+
+    from utils.cli.config import CONFIG_DIR, register_schemas
+
+    args = get_args_parser().parse_args(argv)
+    multirun = args.multirun or "hydra.mode=MULTIRUN" in args.overrides
+    run_root = None
+    other_config = args.config_name or args.config_path or args.config_dir  # Hydra composes and checks it
+    if args.cfg is None and args.info is None and not (args.hydra_help or args.shell_completion or other_config):
+        try:
+            run_root = check_points(args.overrides, multirun)
+        except ConfigError as err:
+            exit_bad_input(err)
+    register_schemas()  # before Hydra composes: config.yaml's defaults name the schemas
+    # Submitit's job processes import this module (to unpickle `task`) from wherever they start.
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths if str(ROOT) in paths else [str(ROOT), *paths])
+    sys.argv = [sys.argv[0], *with_sweep_subdir(argv, args.overrides)]  # @hydra.main reads sys.argv
+    try:
+        hydra_main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(task)()
+    finally:
+        if multirun and run_root is not None and not _given(args.overrides, "hydra.sweep.dir"):
+            (Path(run_root) / "multirun.yaml").unlink(missing_ok=True)  # Hydra's record, in the default sweep dir
+    return 0
+
+
+def task(job_cfg) -> int:
+    """One point of a sweep (or a Hydra run): convert Hydra's config as a single run's and train it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from utils.comm import destroy_grid
+    from utils.cli.config import typed_config
+    from utils.cli.local_launch import run
+
+    hydra_cfg = HydraConfig.get()
+    argv, failure = list(hydra_cfg.overrides.task), None
+    try:
+        job_dir = chosen_job_dir(hydra_cfg)
+        if job_dir is not None and job_cfg.run.dir is None:
+            job_cfg.run.dir = job_dir  # as run.dir=DIR would set it (the ranks train_mp starts get that)
+            argv.append(f"run.dir='{_quoted(job_dir)}'")
+        cfg, choices, config_yaml = typed_config(job_cfg, hydra_cfg.runtime.choices, argv)
+        export_submitit_ranks()
+        check_handover(hydra_cfg, cfg)
+        code = run(cfg, choices, config_yaml, argv)
+    except ConfigError as err:
+        print(err.line(), file=sys.stderr, flush=True)
+        code, failure = EXIT_BAD_INPUT, err.line()
+    finally:
+        destroy_grid()
+    if code and os.environ.get("SUBMITIT_EXECUTOR"):  # a failed job, which Hydra reports when the sweep ends
+        from submitit import JobEnvironment
+
+        raise RuntimeError(f"sweep point #{hydra_cfg.job.num} exited with status {code}: {failure or 'see its log'} "
+                           f"({JobEnvironment().paths.stderr})")
+    if code:
+        raise SystemExit(code)  # the basic launcher: the sweep stops here, with this point's status
+    return 0
+
+
+def chosen_job_dir(hydra_cfg) -> str | None:
+    """Hydra's job folder when the command line chose one (hydra.run.dir or hydra.sweep.dir), else None."""
+    key = "hydra.sweep.dir" if hydra_cfg.mode.name == "MULTIRUN" else "hydra.run.dir"
+    return hydra_cfg.runtime.output_dir if _given(hydra_cfg.overrides.hydra, key) else None
+
+
+def _quoted(text: str) -> str:
+    """`text` inside a single-quoted Hydra override value."""
+    return text.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def export_submitit_ranks() -> None:
+    """Under a submitit launcher with several tasks per point, each task is one rank: export MASTER_ADDR/
+    PORT, RANK, WORLD_SIZE, LOCAL_RANK from the job (utils/cli/launch.py reads them as torchrun's). GPUs stay
+    as Slurm shows them: pick_device gives local rank r GPU r, or the task's only one."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    from submitit import JobEnvironment
+    from submitit.helpers import TorchDistributedEnvironment
+
+    if JobEnvironment().num_tasks > 1:
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+
+
+def check_handover(hydra_cfg, cfg) -> None:
+    """The ranks train_mp.py starts compose config/config.yaml from the point's overrides: refuse a layout of
+    several ranks started as one process under another primary config (-cn/-cp/-cd), which they would miss."""
+    from utils.cli.config import CONFIG_DIR
+    from utils.cli.local_launch import starts_local_ranks
+
+    sources = {(s.provider, s.path) for s in hydra_cfg.runtime.config_sources}
+    own = hydra_cfg.job.config_name == "config" and ("main", str(CONFIG_DIR)) in sources and \
+        not any(provider == "command-line" for provider, _ in sources)
+    if not own and starts_local_ranks(cfg):
+        raise ConfigError("the local ranks of this layout would not see the config chosen with -cn/-cp/-cd",
+                          "parallel", "start the ranks with torchrun or srun, or set hydra.launcher.tasks_per_node")

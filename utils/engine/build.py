@@ -1,0 +1,201 @@
+"""Setup in a few build_* steps, in the order data flows: grid -> model -> data -> trainer.
+
+`build_run` is what train.py does: check everything against the launch and the data, build the grid,
+then `build_trainer` (model, optimizer, schedule, scaler, checkpointer) and `start_run` (restore a
+checkpoint, attach the data loaders from its step). The benchmark (utils/bench/train_step.py) uses `build_trainer`
+as is, with random batches instead of loaders.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distributed.block_wrappers import wrap_blocks
+from distributed.context.parallelize import parallelize_context
+from distributed.data_parallel import local, wrap_data_parallel
+from distributed.fsdp import param_groups, shard_data_parallel
+from distributed.pipeline.schedule import Pipeline, PipelineForward
+from distributed.pipeline.stage_plan import PipelinePlan, resolve_plan
+from distributed.pipeline.stages import build_stages, cut_for_rank
+from distributed.rng import seed_default_stream
+from distributed.tensor.parallelize import parallelize
+from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
+from utils.cli.config import Config
+from utils.cli.launch import restart_warning
+from utils.cli.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for, write_layout, write_task
+from utils.comm import Axis, Grid, background_group, batch_parts, check_grid, init_grid, layout_name, parse_order
+from utils.data.batching import build_loaders, check_batch
+from utils.engine.flops import mfu_absence, training_flops_per_sample
+from utils.engine.logger import hparam_values, setup_logging
+from utils.engine.optim import build_optimizer, build_scheduler
+from utils.engine.precision import autocast, configure_matmul, grad_scaler, precision_notice
+from utils.engine.preemption import StopRequest
+from utils.engine.trainer import Trainer
+from utils.tasks import build_task
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module  # what the loop calls: DDP-wrapped when there are data-parallel replicas
+    raw: nn.Module  # the (parallelized) module underneath: state dicts, criterion, parameters
+    flops_per_sample: float  # training FLOPs of one sample of the full (unsharded) model
+    pipeline: Pipeline | None = None  # pp > 1: the schedule over this rank's stages (raw holds their parts)
+    forward: PipelineForward | None = None  # pp > 1: the forward-only pass through every stage
+
+
+def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
+    """Full weights from the seed (identical on every rank and layout), then this rank's stages and shards."""
+    torch.manual_seed(cfg.trainer.seed)
+    model = task.build_model()  # full serial weights on CPU
+    flops = training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(),  # before sharding
+                                      cfg.model.depth, cfg.model.embed_dim)
+    plan = pipeline_plan(cfg) if grid.size(Axis.PP) > 1 else None
+    if plan is not None:
+        model = cut_for_rank(model, plan, grid.rank(Axis.PP))
+    model = parallelize(model, grid=grid, sequence_parallel=cfg.parallel.sequence_parallel,
+                        keep_gathered=cfg.parallel.sp_keep_gathered)
+    model = parallelize_context(model, grid=grid, variant=cfg.parallel.cp_attention)
+    model.to(grid.device)
+    if cfg.trainer.activation_checkpointing or cfg.precision.compile:
+        wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
+    # The stream dropout draws from: fixed by the seed after setup (which draws differently per layout),
+    # distinct per data-parallel replica and pipeline rank. Tensor-parallel ranks share it; dropouts on
+    # tp-sharded activations fork a stream per shard from it (distributed/rng.py).
+    seed_default_stream(cfg.trainer.seed, grid)
+    if cfg.parallel.dp_mode == "fsdp":
+        model = shard_data_parallel(model, grid=grid, pipeline=plan is not None,
+                                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
+        if plan is None:
+            return BuiltModel(model, model, flops)
+    if plan is None:
+        return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
+    return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
+
+
+def pipeline_plan(cfg: Config) -> PipelinePlan:
+    par = cfg.parallel
+    return resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, cfg.model.depth)
+
+
+def build_pipeline(cfg: Config, task, grid: Grid, model: nn.Module, plan: PipelinePlan):
+    """(Pipeline, PipelineForward) over this rank's stages of the cut `model`, with static shapes."""
+    parts = grid.batch.size * cfg.trainer.grad_accum_steps * plan.microbatches
+    example = task.example_batch(cfg.trainer.global_batch_size // parts, torch.device("meta"))[0]
+    mode = cfg.precision.mode
+    out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
+    stages = build_stages(model, plan, axis=grid.axis(Axis.PP), example=example, length=task.tokens_per_sample(),
+                          out_dtype=out_dtype, autocast=partial(autocast, mode, grid.device))
+    return Pipeline(model, stages, plan, grid), PipelineForward(model, [s.submod for s in stages], plan, grid)
+
+
+def param_bytes_report(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Parameter, gradient (same as parameters) and optimizer-state bytes held by this rank."""
+    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    state = sum(local(t).numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    state = state or 2 * params  # Adam's two moments, allocated at the first step
+    n = sum(local(p).numel() for p in model.parameters())
+    return (f"this rank holds {n / 1e6:.2f}M parameters: {params / 2**20:.1f} MiB weights, "
+            f"{params / 2**20:.1f} MiB gradients, {state / 2**20:.1f} MiB optimizer state")
+
+
+def resume_run_dir(resume: str, run_dir: Path) -> Path | None:
+    """The run directory whose settings a resume continues: this run's (auto, a step number or a step_*
+    name), or the one holding a checkpoint PATH (<run>/checkpoints/step_*)."""
+    if resume == "never":
+        return None
+    if resume == "auto" or names_own_step(resume):
+        return run_dir
+    parents = Path(resume).expanduser().resolve().parents
+    return parents[1] if len(parents) > 1 else None
+
+
+def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer:
+    """Everything train.py does before fitting: validate against the data and the launch, then build.
+
+    Stop signals are recorded from the first line on (a notice ahead of a time limit can arrive during a
+    long checkpoint load or data preparation); the trainer's `fit` acts on them before its first step."""
+    request = StopRequest(cfg.trainer.preempt_deadline_s).__enter__()
+    try:
+        sizes = check_grid(cfg.parallel)  # the one resolution of the axis sizes for this launch
+        task = build_task(cfg)  # inspects the data: every data error is raised before distributed work
+        microbatches = pipeline_plan(cfg).microbatches if sizes[Axis.PP] > 1 else 1
+        check_batch(cfg.trainer.global_batch_size, batch_parts(sizes), cfg.trainer.grad_accum_steps,
+                    len(task.train_set), microbatches)
+        run_dir = run_dir_for(cfg, choices, config_yaml, layout_name(sizes, parse_order(cfg.parallel.order)))
+        previous = resume_run_dir(cfg.trainer.resume, run_dir)
+        if previous is not None:
+            check_resumable(previous, config_yaml)
+        prepare_run_dir(run_dir)
+        grid = init_grid(cfg.parallel, sizes)
+        log = setup_logging(run_dir, grid.is_main)
+        if (warning := restart_warning()) is not None:
+            log.warning(warning)
+        trainer = build_trainer(cfg, task, grid, log, run_dir)
+        start_run(trainer, config_yaml)
+    except BaseException:
+        request.__exit__(None, None, None)  # the caller's handlers back (an in-process caller, a sweep)
+        raise
+    trainer.stop_request = request
+    return trainer
+
+
+def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: Path) -> Trainer:
+    """Model, optimizer, schedule, scaler and checkpointer: a trainer that can take steps (no data yet)."""
+    configure_matmul(cfg.precision.mode)
+    built = build_model(cfg, task, grid)
+    optimizer = build_optimizer(cfg.optim, param_groups(built.raw))
+    scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
+    scaler = grad_scaler(cfg.precision.mode, grid.device, grid.world)
+    background = background_group(grid) if cfg.trainer.ckpt_async else None
+    checkpointer = Checkpointer(run_dir, grid.world, cfg.trainer.ckpt_keep, background)
+    return Trainer(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer, scheduler=scheduler,
+                   scaler=scaler, checkpointer=checkpointer, run_dir=run_dir, log=log)
+
+
+def start_run(trainer: Trainer, config_yaml: str) -> None:
+    """Restore the checkpoint to resume from (if any), attach the loaders from its step, log the setup."""
+    cfg, grid, task, log = trainer.cfg, trainer.grid, trainer.task, trainer.log
+    batch = grid.batch
+    state = resume_state(cfg.trainer.resume, trainer.checkpointer, trainer.checkpoint_destination, grid.device, log)
+    if state is not None:
+        trainer.restore(*state)
+    trainer.loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
+                                    dp_rank=batch.rank, dp_size=batch.size, seed=cfg.trainer.seed,
+                                    start_step=trainer.step, num_workers=cfg.trainer.num_workers,
+                                    worker_start=cfg.trainer.worker_start,
+                                    pin_memory=grid.device.type == "cuda",
+                                    even_val_batches=cfg.parallel.dp_mode == "fsdp",
+                                    read_train=grid.same_batch.rank == 0)  # see SharedBatches
+    if grid.is_main:
+        (trainer.run_dir / "config.yaml").write_text(config_yaml)
+        write_layout(trainer.run_dir, grid)  # run facts as data (utils/cli/runs.py), read by tools and tests
+        write_task(trainer.run_dir, cfg, task)
+    notes = [note] if (note := mfu_absence(grid.device, cfg.precision.mode)) is not None else []
+    if trainer.step < cfg.trainer.max_steps:  # a finished run's directory gets no new events
+        metrics = ["train/loss", "val/loss", task.quality_metric, "perf/samples_per_sec", "perf/tokens_per_sec"]
+        trainer.tb.run_header(config_yaml, hparam_values(flat_config(config_yaml)), metrics, notes, trainer.step)
+    log.info(f"grid: {grid.signature}; run.dir: {trainer.run_dir}")
+    if trainer.pipeline is not None:
+        plan = trainer.pipeline.plan
+        log.info(f"pipeline: {plan.schedule}, {plan.num_stages} stages ({plan.stages_per_rank} per rank), "
+                 f"{plan.microbatches} microbatches per step, {plan.bubble_text()}\n"
+                 + "\n".join(plan.describe()))
+    log.info(param_bytes_report(trainer.raw_model, trainer.optimizer))
+    if (notice := precision_notice(cfg.precision.mode, grid.device)) is not None:
+        log.warning(notice)
+    for note in notes:
+        log.info(note)
+    if grid.device.type == "cpu" and grid.size(Axis.TP) > 1 and cfg.parallel.sequence_parallel:
+        log.info("on CPU/gloo, where each collective costs more than the bytes it moves, sequence parallelism's "
+                 "2.6x as many collectives made a tp2 step 1.3x slower than parallel.sequence_parallel=false "
+                 "(2026-11-22); set it false where activation memory allows")
+    share = grid.same_batch
+    log.info(f"data: {task.describe()}" + (f"; training batches read by one rank of each tp x cp group of "
+                                            f"{share.size} and broadcast to the others" if share.size > 1 else ""))

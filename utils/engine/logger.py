@@ -1,0 +1,175 @@
+"""Run logging: a log file and console lines, a live progress line on terminals, TensorBoard events.
+
+Only rank 0 writes; other ranks get a logger that drops everything except warnings.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+def setup_logging(run_dir: Path | None, is_main: bool) -> logging.Logger:
+    """Logger 'dlscale' (console + run.dir/train.log) and its child 'dlscale.file' (the file only)."""
+    log, file_log = logging.getLogger("dlscale"), logging.getLogger("dlscale.file")
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    for logger in (log, file_log):
+        logger.handlers.clear()
+        logger.propagate = False
+        logger.setLevel(logging.INFO if is_main else logging.WARNING)
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    log.addHandler(console)
+    if is_main and run_dir is not None:
+        file = logging.FileHandler(Path(run_dir) / "train.log")
+        file.setFormatter(fmt)
+        log.addHandler(file)
+        file_log.addHandler(file)
+    return log
+
+
+class Progress:
+    """A live status line (step, loss, samples/s, ETA) on a terminal; plain log lines otherwise."""
+
+    def __init__(self, log: logging.Logger, max_steps: int, log_every: int, is_main: bool):
+        self.log, self.max_steps, self.log_every = log, max_steps, log_every
+        self.live = is_main and sys.stdout.isatty()
+        self.enabled = is_main
+        self.start = time.perf_counter()
+        self.start_step: int | None = None
+
+    def update(self, step: int, loss: float, samples_per_sec: float, lr: float) -> None:
+        """`step`: optimizer steps completed, counting this one."""
+        if not self.enabled:
+            return
+        if self.start_step is None:
+            self.start_step, self.start = step - 1, time.perf_counter()
+        per_step = (time.perf_counter() - self.start) / max(1, step - self.start_step)
+        eta = per_step * (self.max_steps - step)
+        text = (f"step {step}/{self.max_steps} loss {loss:.5f} lr {lr:.3g} "
+                f"{samples_per_sec:.1f} samples/s ETA {eta:.0f}s")
+        if self.live:
+            sys.stdout.write("\r" + text + " " * 8)
+            sys.stdout.flush()
+            if step == self.max_steps:
+                sys.stdout.write("\n")
+        if self.is_log_step(step):
+            (logging.getLogger("dlscale.file") if self.live else self.log).info(text)
+
+    def is_log_step(self, step: int) -> bool:
+        """Whether step `step` (counted from 1) gets a log line: the first of every log_every, and the last."""
+        return (step - 1) % self.log_every == 0 or step == self.max_steps
+
+    def message(self, text: str) -> None:
+        """A log line that does not collide with the live status line."""
+        if self.live:
+            sys.stdout.write("\r")
+        self.log.info(text)
+
+    def first_step_notice(self, step: int, after_s: float = 10.0) -> threading.Timer | None:
+        """A line `after_s` seconds into the first step of a run if it is still running (cancel the returned
+        timer when the step ends): long steps (big models on CPU, compilation) must not look frozen."""
+        if not self.enabled:
+            return None
+        timer = threading.Timer(after_s, self.message, [f"step {step} still running after {after_s:.0f} s (the first "
+                                                        "step also warms up, and compiles with precision.compile)"])
+        timer.daemon = True
+        timer.start()
+        return timer
+
+
+# TensorBoard's Time Series dashboard (its first tab) sorts tag groups (a tag's part before the first '/')
+# by comparing characters, capitals before lower case, and expands the first two: without these copies a
+# user lands on comm/ and data/ with train/ and val/ collapsed. Each tag on the left is also written under
+# the name on the right, so the groups that open are Loss and Throughput.
+FIRST_SCREEN = {"train/loss": "Loss/train", "val/loss": "Loss/val",
+                "perf/samples_per_sec": "Throughput/samples_per_sec", "perf/tokens_per_sec": "Throughput/tokens_per_sec",
+                "perf/mfu": "Throughput/mfu"}
+
+# The Custom Scalars tab: train and validation loss on one chart, and the throughput.
+CUSTOM_SCALARS = {"Overview": {"loss (train and val)": ["Multiline", [r"^train/loss$", r"^val/loss$"]],
+                               "samples per second": ["Multiline", [r"^perf/samples_per_sec$"]],
+                               "tokens per second": ["Multiline", [r"^perf/tokens_per_sec$"]]}}
+
+
+def hparam_values(flat: dict[str, object]) -> dict[str, int | float | str]:
+    """Flat settings ({"section.key": value}, utils/cli/runs.py: flat_config) as HParams takes them: numbers and
+    strings as they are; booleans and lists as text (HParams would show a bool as 0 or 1); None left out."""
+    return {key: str(value).lower() if isinstance(value, bool) else value if isinstance(value, (int, float, str))
+            else str(value) for key, value in flat.items() if value is not None}
+
+
+class TensorBoard:
+    """One TensorBoard event stream per run (rank 0 only)."""
+
+    def __init__(self, run_dir: Path, is_main: bool, start_step: int = 0):
+        self.run_dir, self.is_main, self.start_step = run_dir, is_main, start_step
+        self._writer = None
+        self._session_end = None  # HParams' end-of-session summary, written by close(finished=True)
+
+    @property
+    def writer(self):
+        """The SummaryWriter, created at the first event (a run with nothing to log writes no file)."""
+        if self._writer is None and self.is_main:
+            # Imported here: only rank 0 ever writes, and importing tensorboard takes about a second.
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events a crashed run wrote after the checkpoint we resume from (steps are
+            # counted as completed steps, so the validation at the checkpoint's step stays)
+            self._writer = SummaryWriter(log_dir=str(self.run_dir),
+                                         purge_step=self.start_step + 1 if self.start_step else None)
+        return self._writer
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank writes (rank 0): others need not compute what they would write."""
+        return self.is_main
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+                if tag in FIRST_SCREEN:
+                    self.writer.add_scalar(FIRST_SCREEN[tag], value, step)
+
+    def run_header(self, config_yaml: str, settings: dict, metrics: list[str], notes: list[str], step: int) -> None:
+        """What a run is, written when it starts (and again at each resume, at the step it resumes from):
+        the resolved config as text (tag config), the settings and `metrics` as HParams (so runs can be
+        filtered and compared by setting), the Custom Scalars layout, and `notes` as text (tag notes)."""
+        if not self.writer:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        indented = "\n".join("    " + line for line in config_yaml.splitlines())  # a markdown code block
+        self.writer.add_text("config", indented, step)
+        experiment, start, self._session_end = hparams(settings, dict.fromkeys(metrics, 0.0))
+        for summary in (experiment, start):
+            self.writer.file_writer.add_summary(summary, step)
+        self.writer.add_custom_scalars(CUSTOM_SCALARS)
+        for note in notes:
+            self.writer.add_text("notes", note, step)
+
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """`image`: (3, H, W) float in [0, 1]."""
+        if self.writer:
+            self.writer.add_image(tag, image, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.writer:
+            self.writer.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        if self._writer:
+            self._writer.flush()
+
+    def close(self, finished: bool = False) -> None:
+        """`finished`: the run reached max_steps (HParams marks its session as ended successfully)."""
+        if self._writer:
+            if finished and self._session_end is not None:
+                self._writer.file_writer.add_summary(self._session_end)
+            self._writer.close()

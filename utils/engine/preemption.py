@@ -1,0 +1,94 @@
+"""Preemption: SIGTERM, SIGUSR1, SIGINT or SIGHUP end a run with a checkpoint instead of losing its steps.
+
+What Slurm sends at a time limit or on preemption (SIGTERM, or SIGUSR1 ahead of time with
+`--signal=USR1@120`), what a closed terminal (SIGHUP) or Ctrl-C (SIGINT) sends: the handler only
+records the request. The trainer finishes the step it is in, every rank agrees (the request is
+max-reduced over all ranks, since ranks may see the signal at different steps), writes a checkpoint and
+exits with EXIT_PREEMPTED (75, EX_TEMPFAIL: "try again"), which a Slurm script turns into a requeue.
+If the step and the checkpoint are not done `deadline_s` after the signal, the process exits with
+EXIT_LATE instead of waiting for SIGKILL. A second Ctrl-C interrupts at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+
+EXIT_PREEMPTED = 75  # a checkpoint of the step reached was written: requeue or re-run to continue
+EXIT_LATE = 76  # the deadline passed before the checkpoint was complete: the previous one stands
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
+
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """For DataLoader workers: leave the signals to the trainer (Slurm signals every process of a step;
+    a worker that died of SIGTERM would fail the trainer's last fetch). Workers exit with their rank
+    (utils/data/batching.py `start_worker`)."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Hold the stop signals back while helper processes start (the forkserver, the resource tracker):
+    they inherit the blocked mask across exec and so survive a signal sent to every process of a job
+    (Slurm's SIGUSR1 included), while this process receives what arrived once the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class StopRequest:
+    """Context manager that installs the handlers (main thread only) and restores the previous ones; after
+    a stop was requested it leaves SIGTERM, SIGUSR1 and SIGHUP ignored instead: the process is on its way
+    out with EXIT_PREEMPTED, and the SIGTERM srun sends the other ranks of a job step once the first one
+    has exited (--kill-on-bad-exit) must not turn their 75 into death by signal (143).
+
+    A run installs it first thing in set-up (`utils.engine.build.build_run`, before the grid, the data and the
+    checkpoint load, which can take minutes) and `Trainer.fit` enters the same one: entering an installed
+    request changes nothing, and a signal received during set-up is acted on before the first step."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline_s = deadline_s
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        self._installed = False
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> StopRequest:
+        if not self._installed and threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_IGN if self.requested and sig != signal.SIGINT else handler)
+        self._previous, self._installed = {}, False
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait
+        if self.requested:
+            return
+        self.signum = signum
+        self._timer = threading.Timer(self.deadline_s, self._late)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _late(self) -> None:
+        print(f"error: no checkpoint within trainer.preempt_deadline_s={self.deadline_s:g} s of "
+              f"{signal.Signals(self.signum).name}; exiting (the previous checkpoint stands)",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_LATE)

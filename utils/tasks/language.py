@@ -1,0 +1,114 @@
+"""The WikiText workload: next-token prediction with the decoder-only Transformer, validated by perplexity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from distributed.collectives import all_reduce_
+from networks.transformer import GPT, GPTConfig, check_seq_len, padded_vocab_size
+from utils import require
+from utils.comm import Axis, Grid
+from utils.data.wikitext import WikiTextConfig, load_wikitext
+from utils.tasks.generate import greedy_decode
+
+
+class LanguageTask:
+    """Next-token prediction on WikiText with the decoder-only Transformer."""
+
+    num_prompts, prompt_len = 3, 8
+    quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
+
+    @staticmethod
+    def check_config(model: GPTConfig, data: WikiTextConfig, parallel) -> None:
+        check_seq_len(model, data.seq_len)
+        cp = parallel.cp
+        require(data.seq_len % (2 * cp) == 0, f"data.seq_len={data.seq_len} is not a multiple of 2 x parallel.cp="
+                f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
+                f"use a multiple of {2 * cp}")
+
+    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig):
+        self.cfg, self.model_cfg = data, model_cfg
+        self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
+        self.train_set = self.val_set = self.corpus = None
+        self.unigram_ppl = float("nan")
+
+    def load_data(self) -> None:
+        """Read, tokenize (or load the caches of) the corpus; every data error is raised here."""
+        self.corpus = load_wikitext(self.cfg)
+        self.train_set = self.corpus.dataset("train", self.cfg.seq_len)
+        self.val_set = self.corpus.dataset("valid", self.cfg.seq_len)
+        self.unigram_ppl = self.corpus.unigram_ppl
+
+    def describe(self) -> str:
+        if not self.corpus:
+            return ""
+        padded = padded_vocab_size(self.vocab_size, self.model_cfg.vocab_multiple)
+        note = (f"; vocabulary padded from {self.vocab_size} to {padded} rows (multiple of model.vocab_multiple="
+                f"{self.model_cfg.vocab_multiple}, split over tp ranks); padded logits are masked")
+        return self.corpus.describe() + (note if padded != self.vocab_size else "")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.corpus.vocab_size if self.corpus else 50257  # GPT-2's vocabulary for data-less benchmarks
+
+    def build_model(self) -> nn.Module:
+        return GPT(self.model_cfg, self.vocab_size)
+
+    def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (batch_size, self.cfg.seq_len)
+        return (torch.randint(self.vocab_size, shape, device=device),
+                torch.randint(self.vocab_size, shape, device=device))
+
+    def tokens_per_sample(self) -> int:
+        return self.cfg.seq_len
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        return f"val/loss={metrics['val/loss']:.4g} val/ppl={metrics['val/ppl']:.4g} (unigram ppl {self.unigram_ppl:.4g})"
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
+                 writer, step: int) -> dict[str, float]:
+        """val/loss and val/ppl over the validation blocks (reduced over dp); greedy continuations as text."""
+        sums = torch.zeros(2, dtype=torch.float64, device=grid.device)
+        for x, y in loader:
+            x = x.to(grid.device, non_blocking=True)
+            with autocast():
+                logits = model(x)  # None off the last pipeline stage (see WeatherTask.evaluate)
+                if logits is not None and y is not None:  # y None: a padding batch (EvenBatches)
+                    y = y.to(grid.device, non_blocking=True)
+                    sums[0] += criterion(logits, y).double() * len(x)
+                    sums[1] += len(x)
+        all_reduce_(sums, grid.metrics)
+        loss = (sums[0] / sums[1].clamp_min(1)).item()
+        if self.new_tokens:  # a collective (tp ranks decode together): every rank, not only the writer
+            writer.text("val/samples", self.continuations(model, grid, autocast), step)
+        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+
+    def prompt_starts(self) -> list[int]:
+        """Where the fixed prompts start: evenly spaced places of the validation split, each followed by
+        at least `new_tokens` true tokens."""
+        span = len(self.corpus.valid) - self.prompt_len - self.new_tokens
+        return [i * span // self.num_prompts for i in range(self.num_prompts)]
+
+    def prompts(self) -> torch.Tensor:
+        """The fixed prompts: `prompt_len` tokens at each of `prompt_starts`."""
+        valid = self.corpus.valid
+        return torch.tensor(np.stack([valid[s:s + self.prompt_len] for s in self.prompt_starts()]).astype(np.int64))
+
+    def continuations(self, model: nn.Module, grid: Grid, autocast) -> str:
+        """Greedy continuations of the fixed prompts next to the text that follows them in the corpus, as a
+        markdown table (prompt, model, true text)."""
+        prompts = self.prompts().to(grid.device)
+        buffer = greedy_decode(model, prompts, self.new_tokens, tp=grid.axis(Axis.TP), autocast=autocast)
+        valid, n, decode = self.corpus.valid, self.prompt_len, self.corpus.tokenizer.decode
+
+        def cell(tokens) -> str:  # one table cell: no line breaks, pipes escaped
+            return " ".join(decode([int(t) for t in tokens]).split()).replace("|", "\\|") or " "
+
+        rows = [f"| {cell(row[:n])} | {cell(row[n:])} | {cell(valid[s + n:s + n + self.new_tokens])} |"
+                for row, s in zip(buffer.cpu(), self.prompt_starts())]
+        return "\n".join(["| prompt | model (greedy) | true text |", "|---|---|---|", *rows])

@@ -1,0 +1,108 @@
+"""The ERA5 workload: next-state regression with the ViT, validated by latitude-weighted RMSE per channel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distributed.collectives import all_reduce_
+from distributed.pipeline.schedule import from_last_stage
+from networks.vit import ViT, ViTConfig
+from utils import require
+from utils.comm import Grid
+from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
+from utils.data.era5_synthetic import ensure_synthetic
+from utils.tasks.figures import field_panels, figure_image
+from utils.tasks.weather_metrics import weighted_rmse_per_sample
+
+
+class WeatherTask:
+    """ERA5 next-state regression with the ViT."""
+
+    @staticmethod
+    def check_config(model: ViTConfig, data: ERA5Config, parallel) -> None:
+        p, cp = model.patch_size, parallel.cp
+        require(data.img_size[0] % p == 0 and data.img_size[1] % p == 0,
+                f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
+                f"choose a crop whose sides are multiples of model.patch_size={p}")
+        tokens = (data.img_size[0] // p) * (data.img_size[1] // p)
+        require(tokens >= cp, f"{tokens} patches cannot be split over parallel.cp={cp}", "parallel.cp",
+                f"use parallel.cp <= {tokens} or a larger data.img_size")
+
+    @property
+    def quality_metric(self) -> str:
+        """The validation metric a run is judged by, besides val/loss."""
+        return f"val/rmse/{self.cfg.channels[0]}"
+
+    def describe(self) -> str:
+        return f"{self.train_set.infos[0].path.parent.parent}: {len(self.train_set)} train / {len(self.val_set)} valid pairs"
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        first = f"val/rmse/{self.cfg.channels[0]}"
+        return f"val/loss={metrics['val/loss']:.4g} {first}={metrics[first]:.4g}"
+
+    def __init__(self, data: ERA5Config, model_cfg: ViTConfig):
+        self.cfg, self.model_cfg = data, model_cfg
+        self.train_set = self.val_set = None
+
+    def load_data(self) -> None:
+        """Find (or generate) the files and inspect them; every data error is raised here."""
+        data = self.cfg
+        if data.synthetic:
+            root = ensure_synthetic(Path(data.root) if data.root else None)
+        else:
+            require(bool(data.root), "no data folder given", "data.root", "set data.root=/path/to/era5 (NERSC layout)")
+            root = Path(data.root)
+            require(root.is_dir(), f"data folder {root} does not exist", "data.root", "point it at the ERA5 folder")
+        self.train_set = ERA5Dataset(root, "train", data, data.limit_nsamples)
+        self.val_set = ERA5Dataset(root, "valid", data, data.limit_nsamples_val)
+        self.lat_weights = latitude_weights(data.img_size[0])
+
+    def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random inputs and targets of the training shapes (benchmarks)."""
+        shape = (batch_size, len(self.cfg.channels), *self.cfg.img_size)
+        return torch.randn(shape, device=device), torch.randn(shape, device=device)
+
+    def build_model(self) -> nn.Module:
+        c = len(self.cfg.channels)
+        return ViT(self.model_cfg, tuple(self.cfg.img_size), c, c)
+
+    def tokens_per_sample(self) -> int:
+        h, w = self.cfg.img_size
+        return (h // self.model_cfg.patch_size) * (w // self.model_cfg.patch_size)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
+                 writer, step: int) -> dict[str, float]:
+        """val/loss and latitude-weighted val/rmse/<channel>, reduced over dp; an image of u10m.
+
+        Under pipeline parallelism `model` is the forward pass through the stages: the predictions exist
+        on the last stage's ranks, whose sums the reduction over dp x pp adds (the others add zeros)."""
+        device, batch = grid.device, grid.batch
+        weights = self.lat_weights.to(device)
+        sums = torch.zeros(2 + len(self.cfg.channels), dtype=torch.float64, device=device)
+        first = None
+        for x, y in loader:
+            x = x.to(device, non_blocking=True)
+            with autocast():
+                pred = model(x)
+            if y is None:  # a padding batch (utils/data/batching.py: EvenBatches)
+                continue
+            y = y.to(device, non_blocking=True)
+            if pred is not None:
+                sums[0] += criterion(pred, y).double() * len(x)
+                sums[1] += len(x)
+                sums[2:] += weighted_rmse_per_sample(pred, y, weights).sum(dim=0).double()
+            if first is None:
+                image = from_last_stage(model, None if pred is None else pred[0, 0].float(), y[0, 0].float())
+                first = (image.cpu(), y[0, 0].float().cpu())
+        all_reduce_(sums, grid.metrics)
+        count = sums[1].clamp_min(1)
+        metrics = {"val/loss": (sums[0] / count).item()}
+        metrics.update({f"val/rmse/{c}": (sums[2 + i] / count).item() for i, c in enumerate(self.cfg.channels)})
+        if first is not None and batch.rank == 0 and writer.active:  # rank 0 alone draws and writes the figure
+            channel = self.cfg.channels[0]
+            writer.image(f"val/{channel}_pred_vs_target", figure_image(field_panels(*first, channel, step)), step)
+        return metrics
