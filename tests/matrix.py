@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass
 from functools import cache
 
+from tests.helpers import TINY_GPT
 from utils import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
@@ -47,8 +48,7 @@ NAMES = tuple(FACTORS)
 GLOBAL_BATCH = 16  # divisible by every dp x accumulation x microbatches of the space
 MODEL_ARGS = {
     "vit": ["trainer.global_batch_size=16", "data.limit_nsamples_val=8", "model.depth=4"],
-    "gpt": ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "data.limit_eval_tokens=2048",
-            "trainer.global_batch_size=16", "optim.lr=2e-3", "data.sample_tokens=0"],
+    "gpt": [*TINY_GPT, "data.limit_eval_tokens=2048", "trainer.global_batch_size=16"],
 }
 
 

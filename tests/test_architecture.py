@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 # Calls that move data between ranks (c10d, functional collectives, object collectives, point-to-point).
 COLLECTIVES = {

@@ -6,7 +6,7 @@ case); `test_config_error_through_the_command` and the launch cases run the comm
 
 import pytest
 
-from tests.conftest import run_entry, run_main
+from tests.helpers import run_entry, run_main
 
 
 def check_error(args, setting, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed.rng import rng_tensors, set_rng_tensors
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from utils import ConfigError
 from utils.checkpoints.checkpointer import Checkpointer, choose_resume, resume_state
 from utils.checkpoints.sharded_state import View, read_full
@@ -247,6 +247,6 @@ def _rank0_disk_full(rank: int, world_size: int, tmp_path) -> None:
 
 def test_rank0_failing_to_write_stops_every_rank(tmp_path):
     """A disk-full rank 0 raises on every rank (the others are told, not left in a barrier)."""
-    from tests.dist_utils import run_ranks
+    from tests.helpers import run_ranks
 
     run_ranks(_rank0_disk_full, 2, tmp_path, tmp_path, timeout_s=60)

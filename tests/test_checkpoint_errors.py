@@ -114,6 +114,6 @@ def _one_rank_cannot_read(rank: int, world_size: int, tmp_path: str) -> None:
 
 def test_an_io_error_on_one_rank_stops_every_rank(tmp_path):
     """The verdict is agreed: rank 0's I/O error stops rank 1 too (no hang, no fallback on either)."""
-    from tests.dist_utils import run_ranks
+    from tests.helpers import run_ranks
 
     run_ranks(_one_rank_cannot_read, 2, tmp_path, str(tmp_path), timeout_s=60)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import read_scalars
+from tests.helpers import QUIET, read_scalars
 from tests.rank_pool import run_entry_ranks
 
-TINY = ["model.depth=2", "trainer.global_batch_size=4", "data.limit_nsamples_val=4", "trainer.val_every=0",
-        "trainer.val_at_start=false", "trainer.ckpt_every=2", "trainer.num_workers=0", "trainer.log_every=1",
-        "trainer.max_steps=4"]
+TINY = [*QUIET, "model.depth=2", "trainer.global_batch_size=4", "data.limit_nsamples_val=4",
+        "trainer.ckpt_every=2", "trainer.log_every=1", "trainer.max_steps=4"]
 
 
 def train(run_dir, root, *args) -> None:

@@ -32,7 +32,7 @@ from distributed.block_wrappers import wrap_blocks
 from distributed.counting import count_compiled
 from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils.comm import Grid, ParallelConfig, init_grid
 
 BATCH, SEQ, EMBED, VOCAB = 2, 7, 32, 50

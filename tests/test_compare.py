@@ -1,7 +1,7 @@
 """utils/compare/report.py on three real runs of train.py's tiny ViT: one process, two-rank data parallel, two-rank
 tensor parallel.
 
-The table's values are checked against the runs' TensorBoard events as tests.conftest.read_scalars reads
+The table's values are checked against the runs' TensorBoard events as tests.helpers.read_scalars reads
 them, the CSV against the table, the figures as PNG files; then globs, bad arguments and a resumed run's
 several event files.
 """
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import ROOT, read_scalars, run_entry
+from tests.helpers import ROOT, read_scalars, run_entry
 from utils.compare.report import layout_of, main, read_curves
 
 TINY = ["trainer.max_steps=4", "trainer.val_every=2", "trainer.log_every=2", "trainer.ckpt_every=0",

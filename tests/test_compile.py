@@ -37,7 +37,7 @@ from distributed.tensor.layers import TensorParallelLayer
 from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils.comm import AxisGroup, ParallelConfig, init_grid
 
 BATCH, SEQ, EMBED, HEADS = 2, 7, 32, 4

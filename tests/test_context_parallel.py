@@ -18,7 +18,7 @@ from distributed.data_parallel import sync_partial_grads
 from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from tests.test_parallelize import _compare_grads
 from utils.comm import ParallelConfig, init_grid
 from utils.tasks.generate import greedy_decode

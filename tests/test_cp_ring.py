@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from distributed.collectives import split_sizes
 from distributed.context.ring import _block_mask, block_attention, merge, position_bounds, ring_attention
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils.comm import AxisGroup
 
 B, H, D = 2, 2, 8

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed.data_parallel import no_sync, sync_partial_grads, unwrap, wrap_data_parallel
 from distributed.tensor.layers import SequenceParallelLayerNorm, TensorParallelLayer
 from distributed.tensor.parallelize import parallelize
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from tests.test_parallelize import CHANNELS, IMG, build_vit
 from utils.comm import Grid, ParallelConfig, init_grid
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, read_scalars
+from tests.helpers import ROOT, read_scalars
 from utils.engine.preemption import EXIT_PREEMPTED, SIGNALS
 
 # A few-second run: 2 blocks of a 32-wide ViT, batches of 4, 8 validation pairs; default data workers

@@ -22,14 +22,12 @@ from distributed.fsdp import shard_data_parallel
 from distributed.pipeline.stage_plan import resolve_plan
 from distributed.pipeline.stages import StageModule, cut_for_rank
 from networks.vit import ViT, ViTConfig
-from tests.conftest import read_scalars, run_entry
-from tests.dist_utils import run_ranks
+from tests.helpers import QUIET, read_scalars, run_entry, run_ranks
 from utils.comm import ParallelConfig, init_grid
 
 STEPS = 8
-COMMON = ["model.depth=2", f"trainer.max_steps={STEPS}", "trainer.global_batch_size=4", "precision=bf16",
-          "optim.lr=2e-3", "trainer.num_workers=0", "trainer.val_every=0", "trainer.val_at_start=false",
-          "trainer.ckpt_every=0", "trainer.log_every=4", "data.limit_nsamples_val=8"]
+COMMON = [*QUIET, "model.depth=2", f"trainer.max_steps={STEPS}", "trainer.global_batch_size=4", "precision=bf16",
+          "optim.lr=2e-3", "trainer.log_every=4", "data.limit_nsamples_val=8"]
 REL = 1e-4  # bf16 reduction order: 2.7e-5 (DDP and FSDP alike); FSDP's old bf16 residual stream: 6.8e-4
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils.comm import (AXES, Axis, Grid, ParallelConfig, batch_parts, init_grid, parse_order, rank_layout,
                         resolve_sizes)
 from utils import ConfigError

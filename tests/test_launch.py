@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import ROOT, run_entry
+from tests.helpers import ROOT, run_entry
 from utils.cli.launch import free_port
 from utils.cli.local_launch import supervise
 
@@ -204,7 +204,7 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
     import torch
 
     from utils.checkpoints.sharded_state import read_full
-    from tests.conftest import read_scalars
+    from tests.helpers import read_scalars
 
     def torchrun(name: str, restarts: int) -> tuple[subprocess.Popen, list[str]]:
         import threading
@@ -247,7 +247,7 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
 
 def test_train_py_as_one_process_launches_the_ranks_of_the_layout(tmp_path):
     """The mission's command as typed: `python train.py parallel=tp2 ...` starts two ranks by itself."""
-    from tests.conftest import read_scalars
+    from tests.helpers import read_scalars
 
     proc = run_entry("train.py", "parallel=tp2", "trainer.max_steps=3", "trainer.val_every=0", "trainer.num_workers=0",
                      f"run.dir={tmp_path}", timeout=180)

@@ -18,7 +18,7 @@ from distributed.tensor.layers import (ColumnParallelLinear, RowParallelLinear, 
                                        SequenceShards, shard)
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.transformer import CausalLMLoss
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils.comm import Grid, ParallelConfig, init_grid
 
 B, N, D_IN, D_OUT, VOCAB, VALID = 2, 7, 6, 10, 18, 13

@@ -17,7 +17,7 @@ import re
 import pytest
 
 from distributed.collectives import ring_bytes
-from tests.conftest import ROOT, read_scalars, read_tags
+from tests.helpers import QUIET, ROOT, TINY_GPT, read_scalars, read_tags
 from tests.rank_pool import run_entry_ranks
 from tests.test_plan import report_of
 from utils.checkpoints.sharded_state import read_shapes
@@ -26,11 +26,9 @@ from utils.plan.cost_model import GPUS, plan_layout
 from utils.tasks import build_task
 
 STEPS = 10
-COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.val_at_start=false", "trainer.ckpt_every=0",
-          "trainer.num_workers=0", "trainer.log_every=5"]  # one validation, at the end
+COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=5"]  # one validation, at the end
 VIT = ["trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
-GPT = ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "data.limit_eval_tokens=4096", "trainer.global_batch_size=8",
-       "optim.lr=2e-3", "data.sample_tokens=0"]  # no greedy decoding at validation but under pp2tp2 (below)
+GPT = [*TINY_GPT, "data.limit_eval_tokens=4096", "trainer.global_batch_size=8"]  # no greedy decoding at validation but under pp2tp2 (below)
 
 LAYOUTS = {
     "dp2": ["parallel.dp=2"],

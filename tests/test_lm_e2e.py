@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tests.conftest import read_scalars, read_tags, run_entry, run_main
+from tests.helpers import read_scalars, read_tags, run_entry, run_main
 
 LM = ["model=gpt_tiny", "data=wikitext_sample", "trainer.num_workers=0", "trainer.log_every=20"]
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from distributed import mappings as M
 from distributed.collectives import ring_bytes
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils.comm import AxisGroup, ParallelConfig, init_grid
 
 SHAPE = (3, 0, 5)  # dim 1 (the length under test) is filled in per case

@@ -26,13 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_scalars
+from tests.helpers import QUIET, read_scalars
 from tests.matrix import MODEL_ARGS, Case, covering_set, random_cases
 from tests.rank_pool import run_entry_ranks
 
 STEPS = 4
-COMMON = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.val_at_start=false", "trainer.ckpt_every=0",
-          "trainer.num_workers=0", "trainer.log_every=1"]
+COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
 TOLERANCE = {"fp32": 1e-4, "bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
 ACCEPTED, REFUSED = covering_set()
 

@@ -30,7 +30,7 @@ import networks.transformer
 from networks.transformer import GPT, GPTConfig
 import networks.vit
 from networks.vit import ViT, ViTConfig
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from tests.test_parallelize import _compare_grads
 from utils import ConfigError
 from utils.comm import ParallelConfig, init_grid

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from tests.test_precision import make_trainer
 from utils import ConfigError
 from utils.cli.config import load_config

@@ -33,7 +33,7 @@ from distributed.tensor.layers import TensorParallelLayer
 from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils import ConfigError
 from utils.cli.config import load_config
 from utils.comm import Grid, ParallelConfig, init_grid

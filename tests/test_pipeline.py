@@ -20,7 +20,7 @@ from distributed.pipeline.stage_plan import SCHEDULES, block_split, bubble_fract
 from distributed.pipeline.stages import build_stages, cut_for_rank
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils import ConfigError
 from utils.cli.config import load_config
 from utils.comm import Axis, ParallelConfig, init_grid

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from utils.plan.cost_model import GPUS, Hardware, link_gbs, main, plan_layout
 
 TINY = ["trainer.global_batch_size=8"]

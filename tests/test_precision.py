@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks
+from tests.helpers import run_ranks
 from utils.cli.config import load_config
 from utils.comm import ParallelConfig, init_grid
 from utils.engine.build import build_run

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from utils.engine.preemption import EXIT_LATE, SIGNALS, StopRequest
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from tests.helpers import QUIET
 from tests.rank_pool import run_entry_ranks
 from utils.cli.runs import LAYOUT_FILE, TASK_FILE, layout_facts, read_facts, read_layout, write_layout
 from utils.comm import Axis, Grid, ParallelConfig, parse_order, rank_layout, resolve_sizes
@@ -41,8 +42,7 @@ def test_a_run_writes_its_resolved_layout_beside_its_config(tmp_path, era5_root)
     """Two torchrun-style ranks with parallel.dp derived (0 in config.yaml): layout.json says dp=2, and
     compare reads the layout from it."""
     run_dir = tmp_path / "run"
-    argv = [f"data.root={era5_root}", f"run.dir={run_dir}", "trainer.max_steps=1", "trainer.val_every=0",
-            "trainer.val_at_start=false", "trainer.ckpt_every=0", "trainer.num_workers=0",
+    argv = [*QUIET, f"data.root={era5_root}", f"run.dir={run_dir}", "trainer.max_steps=1",
             "trainer.global_batch_size=4", "data.limit_nsamples_val=4"]
     results = run_entry_ranks(argv, world=2)
     assert [r.value for r in results] == [0, 0], [r.error or r.stderr[-2000:] for r in results]

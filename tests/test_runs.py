@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_entry
+from tests.helpers import run_entry
 from utils import ConfigError
 from utils.cli.config import load_config
 from utils.cli.runs import check_resumable, differences, run_dir_for

@@ -11,8 +11,7 @@ import signal
 import pytest
 import torch
 
-from tests.conftest import read_scalars
-from tests.dist_utils import run_ranks
+from tests.helpers import read_scalars, run_ranks
 from tests.test_precision import make_trainer
 from utils.engine.preemption import EXIT_PREEMPTED, SIGNALS
 from utils.engine.step_results import StepResult, StepResults

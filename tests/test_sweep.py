@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, read_scalars
+from tests.helpers import ROOT, read_scalars
 from utils.cli.hydra_app import is_hydra_command, with_sweep_subdir
+from utils.cli.runs import read_layout
 
 TINY = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
         "trainer.global_batch_size=4", "model.depth=1", "data.limit_nsamples_val=8"]
@@ -92,7 +93,7 @@ def test_submitit_local_sweep_into_a_sweep_dir(tmp_path, era5_root):
     assert "#1 : parallel=tp2" in proc.stdout
     for num, tp in ((0, 1), (1, 2)):
         check_trained(sweep / str(num))
-        assert f"tp={tp}" in (sweep / str(num) / "train.log").read_text()
+        assert read_layout(sweep / str(num))["sizes"]["tp"] == tp
     assert not (tmp_path / "runs").exists()
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import read_scalars, read_tags, run_entry
+from tests.helpers import read_scalars, read_tags, run_entry
 
 # One data worker, forked (the fastest start; the default forkserver start costs ~3.5 s per launch here and
 # is exercised where it matters: the job-wide SIGUSR1 below and tests/test_launch.py).
@@ -77,7 +77,7 @@ def run_until_signalled(args: list[str], at_step: int, sig: int, script: str = "
     import threading
     import time
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     proc = subprocess.Popen([sys.executable, str(ROOT / script), *args, "trainer.log_every=1"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

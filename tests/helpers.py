@@ -1,4 +1,10 @@
-"""Run a function on N gloo ranks, for multi-rank tests on CPU.
+"""What the tests share: the repository root, the tiny workloads spelled once, runners for the entry points,
+readers of a run's TensorBoard events, and multi-rank functions on the rank pool.
+
+Workloads: `QUIET` (no validation but the last, no checkpoint but the last, no data worker processes) and
+`TINY_GPT` (the tiny language model on the sample corpus), which test files extend with what they vary.
+
+Multi-rank functions: Run a function on N gloo ranks, for multi-rank tests on CPU.
 
 `run_ranks(fn, world_size, tmp_path, *args)` runs `fn(rank, world_size, *args)` on `world_size` ranks of
 the test process's pool (tests/rank_pool.py: processes started once and reused, with RANK/WORLD_SIZE/
@@ -14,6 +20,8 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -22,6 +30,54 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+QUIET = ["trainer.val_every=0", "trainer.val_at_start=false", "trainer.ckpt_every=0", "trainer.num_workers=0"]
+TINY_GPT = ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32", "optim.lr=2e-3", "data.sample_tokens=0"]
+
+
+def run_entry(script: str, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run an entry point (train.py, train_mp.py) as users do, with a bounded time."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(script: str, *args: str) -> tuple[int, str, str]:
+    """An entry point's `main(args)` in this process, for checks that end before any training (bad input):
+    (exit status, stdout, stderr). The status of `sys.exit` counts as returned."""
+    import contextlib
+    import importlib
+    import io
+
+    module = importlib.import_module(Path(script).stem)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = module.main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def read_tags(run_dir: Path) -> dict[str, list[str]]:
+    """Tag names of a run's TensorBoard events by kind (scalars, images, tensors for text)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc.Tags()
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a run's TensorBoard events: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
 
 DEFAULT_TIMEOUT_S = 60.0
 
