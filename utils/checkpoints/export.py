@@ -7,7 +7,7 @@ The file holds plain tensors of the one-process model, readable without this pro
 
     {"model": state_dict,                                  torch.nn.Module.load_state_dict(file["model"])
      "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}, Adam's state per parameter name
-     "trainer": {"step", "samples", "scheduler", "scaler", ...}}
+     "trainer": {"step", "samples", "lr", "scaler", ...}}
 
 Export reads the checkpoint in one process (every shard, any layout; the per-rank RNG states are left out).
 Import writes a complete checkpoint (DCP folder, state.json, marker, `latest`) that any layout resumes with

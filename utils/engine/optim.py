@@ -58,5 +58,10 @@ def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(cfg: OptimConfig, optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))
+def build_scheduler(cfg: OptimConfig, optimizer, max_steps: int, step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The lr schedule positioned at `step`. The schedule is a function of the step alone (and of the optim
+    settings a resume must keep), so a resumed run builds it at its step instead of loading its state:
+    torch's `last_epoch` argument, with each group's `initial_lr` the peak lr (set by the first build)."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", cfg.lr)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, max_steps), last_epoch=step - 1)

@@ -23,6 +23,7 @@ from utils.comm import Grid
 from utils.data.batching import Loaders, SharedBatches
 from utils.engine.flops import mfu, tflops_per_device
 from utils.engine.logger import Progress, TensorBoard
+from utils.engine.optim import build_scheduler
 from utils.engine.precision import autocast
 from utils.engine.preemption import EXIT_PREEMPTED, StopRequest
 from utils.engine.profiling import StepProfiler
@@ -68,11 +69,11 @@ class Trainer:
     def save_checkpoint(self, background: bool | None = None) -> Path:
         """Write the checkpoint of the step reached (collective; see utils/checkpoints/checkpointer.py): the model and
         Adam state under single-process names and global shapes, this rank's RNG, and in state.json the
-        step, the samples consumed, the schedule and the scaler."""
+        step, the samples consumed, the lr (for readers: a resume rebuilds the schedule at its step) and the scaler."""
         view = checkpoint_view(self.raw_model, self.optimizer, self.grid, for_load=False)
         view.tensors.update(rng_tensors(self.rng_prefix))
         meta = {"samples": self.step * self.tc.global_batch_size, "global_batch_size": self.tc.global_batch_size,
-                "layout": self.grid.signature, "scheduler": self.scheduler.state_dict(),
+                "layout": self.grid.signature, "lr": self.scheduler.get_last_lr()[0],
                 "scaler": self.scaler.state_dict()}
         background = self.tc.ckpt_async if background is None else background
         self.background_save_done(wait=True)  # one save in flight
@@ -102,12 +103,7 @@ class Trainer:
         require(meta["samples"] == step * self.tc.global_batch_size,
                 f"the checkpoint consumed {meta['samples']} samples in {step} steps of {meta['global_batch_size']}",
                 "trainer.global_batch_size", f"resume with trainer.global_batch_size={meta['global_batch_size']}")
-        groups = self.optimizer.param_groups  # one schedule for all; FSDP under pp has two groups
-        schedule = {**meta["scheduler"], "base_lrs": meta["scheduler"]["base_lrs"][:1] * len(groups),
-                    "_last_lr": meta["scheduler"]["_last_lr"][:1] * len(groups), "lr_lambdas": [None] * len(groups)}
-        self.scheduler.load_state_dict(schedule)
-        for group, lr in zip(groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
+        self.scheduler = build_scheduler(self.cfg.optim, self.optimizer, self.tc.max_steps, step)  # sets each lr
         self.scaler.load_state_dict(meta["scaler"])
         self.step = step
         if f"{self.rng_prefix}torch" in view.tensors:
@@ -313,10 +309,16 @@ class Trainer:
             stop |= result.stop
         return stop
 
+    def due(self, stop: int) -> tuple[bool, bool]:
+        """(validate, save) after the step just taken, the one cadence rule: validation every val_every steps
+        and at max_steps, a checkpoint every ckpt_every steps and at the step the run stops at."""
+        tc, step = self.tc, self.step
+        return (step == tc.max_steps or bool(tc.val_every and step % tc.val_every == 0),
+                step == stop or bool(tc.ckpt_every and step % tc.ckpt_every == 0))
+
     def at_boundary(self, stop: int) -> bool:
         """Whether validation or a checkpoint follows the step just taken."""
-        every = [n for n in (self.tc.val_every, self.tc.ckpt_every) if n]
-        return self.step in (stop, self.tc.max_steps) or any(self.step % n == 0 for n in every)
+        return any(self.due(stop))
 
     def apply_nonfinite_policy(self, result: StepResult) -> None:
         """trainer.nonfinite for a step whose update every rank skipped: stop with one line, or count it
@@ -361,11 +363,11 @@ class Trainer:
         return values
 
     def maybe_validate_and_save(self, stop: int) -> None:
-        last = self.step == self.tc.max_steps
-        if last or (self.tc.val_every and self.step % self.tc.val_every == 0):
+        validate, save = self.due(stop)
+        if validate:
             self.watchdog.phase("validation")
             self.validate()
-        if self.step == stop or (self.tc.ckpt_every and self.step % self.tc.ckpt_every == 0):
+        if save:
             self.watchdog.phase("checkpoint")
             path = self.save_checkpoint()
             if self.checkpointer.pending is None:
