@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     if is_hydra_command(argv):
-        from utils import hydra_app
+        from utils.cli import hydra_app
 
         return hydra_app.main(argv)
     # Imported here, not at the top: `--help` answers at once without loading torch and Hydra.
