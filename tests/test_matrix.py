@@ -6,8 +6,10 @@ picks an all-pairs covering set. Each accepted case runs STEPS steps through the
 (`train.main` on pooled torchrun-style ranks, tests/rank_pool.py) and must follow the single-process run of
 the same model, precision and accumulation: the loss and gradient norm of every step and the final
 validation loss within TOLERANCE[precision], and its final checkpoint must hold the single-process model's
-keys and global shapes (a checkpoint describes the model, not the layout). Each refused case must exit 2
-on every rank with the one line the trainer's checks predict, and nothing else.
+keys and global shapes (a checkpoint describes the model, not the layout); a case with cp > 1 under bf16
+or fp16 also checks the accuracy of its attention as built (tests/attention_accuracy.py: the curves cannot
+see the ring's statistics computed in bf16). Each refused case must exit 2 on every rank with the one line
+the trainer's checks predict, and nothing else.
 
 Tolerances (relative, per logged value). fp32: 1e-4, the project's layout contract (measured over the
 covering set: at most 9.0e-6). bf16 and fp16: the layouts reduce in other orders and round at other
@@ -26,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUIET, read_scalars
+from tests.attention_accuracy import check_rank
+from tests.helpers import QUIET, read_scalars, run_ranks
 from tests.matrix import MODEL_ARGS, Case, covering_set, random_cases
 from tests.rank_pool import run_entry_ranks
 
@@ -40,11 +43,14 @@ def _roots(request) -> dict[str, str]:
     return {"vit": str(request.getfixturevalue("era5_root")), "gpt": str(request.getfixturevalue("corpus_root"))}
 
 
+def case_argv(run_dir: Path, model: str, root: str, overrides: list[str]) -> list[str]:
+    return [*MODEL_ARGS[model], f"data.root={root}", *COMMON, f"run.dir={run_dir}", *overrides]
+
+
 def run_case(tmp: Path, name: str, model: str, root: str, overrides: list[str], world: int):
     """All ranks' results of one run through the entry point, and its run directory."""
     run_dir = tmp / name
-    argv = [*MODEL_ARGS[model], f"data.root={root}", *COMMON, f"run.dir={run_dir}", *overrides]
-    return run_entry_ranks(argv, world), run_dir
+    return run_entry_ranks(case_argv(run_dir, model, root, overrides), world), run_dir
 
 
 def assert_exit(results, code: int) -> None:
@@ -100,14 +106,16 @@ def assert_follows(reference: dict, got: dict, precision: str) -> None:
 
 
 def check_case(case: Case, tmp_path: Path, request, references) -> None:
-    results, run_dir = run_case(tmp_path, case.name, case.model, _roots(request)[case.model], case.overrides(),
-                                case.world)
+    root = _roots(request)[case.model]
+    results, run_dir = run_case(tmp_path, case.name, case.model, root, case.overrides(), case.world)
     assert_exit(results, 0)
     reference, got = references(case), summary(run_dir)
     if report := os.environ.get("DLSCALE_MATRIX_REPORT"):  # the deviations docs/testing.md states
         with open(report, "a") as out:
             out.write(f"{case.name} {case.precision} {worst_deviation(reference, got):.3e}\n")
     assert_follows(reference, got, case.precision)
+    if case.cp > 1 and case.precision != "fp32":  # the attention as built for the case (tests/attention_accuracy.py)
+        run_ranks(check_rank, case.world, tmp_path, case_argv(run_dir, case.model, root, case.overrides()))
 
 
 @pytest.mark.parametrize("case", ACCEPTED, ids=[c.name for c in ACCEPTED])
