@@ -52,6 +52,9 @@ class TrainerConfig:
     worker_start: str = "forkserver"  # forkserver | spawn | fork: how data workers start (see utils/data/batching)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    rollout_every: int = 0  # ERA5: steps between rollout evaluations, and one at the end (0 = none)
+    rollout_steps: int = 20  # ERA5: autoregressive steps of data.dt per rollout (20 x 6 h = 5 days)
+    rollout_inits: int = 8  # ERA5: initial times of the validation split, evenly spaced
     stop_at_step: int | None = None  # end this invocation after this step with a checkpoint (job time limits)
     preempt_deadline_s: float = 120.0  # after SIGTERM/SIGUSR1: seconds to finish the step and checkpoint
     nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm ends the run, or skips the update
@@ -66,7 +69,9 @@ class TrainerConfig:
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
             value = getattr(self, name)
             require(value > 0, f"{name} must be positive, got {value}", f"trainer.{name}", "set a positive integer")
-        for name in ("val_every", "ckpt_every", "num_workers"):
+        for name in ("rollout_steps", "rollout_inits"):
+            require(getattr(self, name) > 0, f"{name} must be positive", f"trainer.{name}", "set a positive integer")
+        for name in ("val_every", "ckpt_every", "num_workers", "rollout_every"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0", f"trainer.{name}", "set 0 or more")
         require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
                 "trainer.stop_at_step", "set null or a positive step")
@@ -114,8 +119,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
-        model, data, tp, cp = self.model, self.data, self.parallel.tp, self.parallel.cp
-        check_pairing(model, data, self.parallel)  # the registry of model families (utils/tasks/)
+        model, tp, cp = self.model, self.parallel.tp, self.parallel.cp
+        check_pairing(self)  # the registry of model families (utils/tasks/)
         require(model.dropout == 0 or cp == 1 or self.parallel.cp_attention == "allgather",
                 f"model.dropout={model.dropout} with parallel.cp={cp}: ring attention has no dropout",
                 "parallel.cp_attention", "use parallel.cp_attention=allgather, or model.dropout=0")

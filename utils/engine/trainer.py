@@ -309,11 +309,12 @@ class Trainer:
             stop |= result.stop
         return stop
 
-    def due(self, stop: int) -> tuple[bool, bool]:
-        """(validate, save) after the step just taken, the one cadence rule: validation every val_every steps
-        and at max_steps, a checkpoint every ckpt_every steps and at the step the run stops at."""
+    def due(self, stop: int) -> tuple[bool, bool, bool]:
+        """(validate, rollout, save) after the step just taken, the one cadence rule: each every <its>_every steps,
+        validation and rollouts (when set) also at max_steps, a checkpoint at the step the run stops at."""
         tc, step = self.tc, self.step
         return (step == tc.max_steps or bool(tc.val_every and step % tc.val_every == 0),
+                bool(tc.rollout_every) and (step == tc.max_steps or step % tc.rollout_every == 0),
                 step == stop or bool(tc.ckpt_every and step % tc.ckpt_every == 0))
 
     def at_boundary(self, stop: int) -> bool:
@@ -363,24 +364,37 @@ class Trainer:
         return values
 
     def maybe_validate_and_save(self, stop: int) -> None:
-        validate, save = self.due(stop)
+        validate, rollout, save = self.due(stop)
         if validate:
             self.watchdog.phase("validation")
             self.validate()
+        if rollout:
+            self.watchdog.phase("rollout")
+            self.rollout()
         if save:
             self.watchdog.phase("checkpoint")
             path = self.save_checkpoint()
             if self.checkpointer.pending is None:
                 self.progress.message(f"saved checkpoint {path}")
 
+    def rollout(self) -> dict[str, float]:
+        """The task's multi-step forecast skill (trainer.rollout_every), logged at this step."""
+        return self._evaluate("rollout", lambda: self.task.evaluate_rollout(
+            self.forward_model, grid=self.grid, autocast=self.autocast, writer=self.tb, step=self.step),
+            lambda metrics: f"{len(metrics)} scalars rollout/<rmse|acc|bias>/<channel>/<lead>h")
+
     def validate(self) -> dict[str, float]:
+        return self._evaluate("validation", lambda: self.task.evaluate(
+            self.forward_model, self.raw_model.criterion, self.loaders.val, grid=self.grid, autocast=self.autocast,
+            writer=self.tb, step=self.step), self.task.summary)
+
+    def _evaluate(self, what: str, run, summary) -> dict[str, float]:
+        """`run()` in eval mode, its scalars logged at this step with one line."""
         self.model.eval()
         t0 = time.perf_counter()
-        metrics = self.task.evaluate(self.forward_model, self.raw_model.criterion, self.loaders.val, grid=self.grid,
-                                     autocast=self.autocast, writer=self.tb, step=self.step)
+        metrics = run()
         self.model.train()
         self.tb.scalars(metrics, self.step)
         self.tb.flush()
-        self.progress.message(f"step {self.step} validation ({time.perf_counter() - t0:.1f}s): "
-                              + self.task.summary(metrics))
+        self.progress.message(f"step {self.step} {what} ({time.perf_counter() - t0:.1f}s): " + summary(metrics))
         return metrics

@@ -33,8 +33,8 @@ class Task(Protocol):
     val_set: Any
 
     @staticmethod
-    def check_config(model: Any, data: Any, parallel: Any) -> None:
-        """The rules that tie this task's model and data to the layout (raise ConfigError)."""
+    def check_config(cfg: Any) -> None:
+        """The rules that tie this task's model and data to the layout and the trainer (raise ConfigError)."""
 
     def load_data(self) -> None:
         """Find, generate or read the data; every data error is raised here, before distributed work."""
@@ -58,6 +58,9 @@ class Task(Protocol):
                  step: int) -> dict[str, float]:
         """val/loss and the task's metrics over the validation loader, reduced over the grid."""
 
+    def evaluate_rollout(self, model: nn.Module, *, grid: Grid, autocast, writer, step: int) -> dict[str, float]:
+        """Multi-step forecast skill (trainer.rollout_every; the weather task, utils/tasks/forecast.py)."""
+
 
 @dataclass(frozen=True)
 class Family:
@@ -80,18 +83,19 @@ FAMILIES = {f.arch: f for f in (
 )}
 
 
-def check_pairing(model: Any, data: Any, parallel: Any) -> None:
-    """The data fits the model (exit 2 naming the models that would), then the task's own layout rules."""
+def check_pairing(cfg) -> None:
+    """The data fits the model (exit 2 naming the models that would), then the task's own rules."""
+    model, data = cfg.model, cfg.data
     family = FAMILIES[model.arch]  # each schema checks its own arch tag
     fits = [f for f in FAMILIES.values() if f.data_kind == data.kind]
     require(family.data_kind == data.kind, f"the {fits[0].data_name} data needs a {' or '.join(f.name for f in fits)} "
             "model", "model", "use " + "; ".join(f.presets for f in fits) + f" with data={data.kind}*")
-    family.task.check_config(model, data, parallel)
+    family.task.check_config(cfg)
 
 
 def build_task(cfg, load_data: bool = True) -> Task:
     """The workload of the configured model family, its data inspected (before any distributed work)."""
-    task = FAMILIES[cfg.model.arch].task(cfg.data, cfg.model)
+    task = FAMILIES[cfg.model.arch].task(cfg.data, cfg.model, cfg.trainer)
     if load_data:
         task.load_data()
     return task

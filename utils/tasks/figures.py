@@ -38,3 +38,21 @@ def figure_image(fig) -> torch.Tensor:
     canvas.draw()
     rgb = np.asarray(canvas.buffer_rgba())[..., :3]
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1).float() / 255
+
+
+def skill_panels(leads_h: list[int], curves: dict[str, dict[str, list[float]]], channel: str, step: int):
+    """RMSE (physical units) and ACC against lead time for one channel, one line per forecast (the model and
+    its baselines; a baseline without a metric, as climatology's ACC, is left out). A matplotlib Figure."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
+    for ax, metric, label in zip(fig.subplots(1, 2), ("rmse", "acc"), ("RMSE", "ACC")):
+        for name, values in curves.items():
+            if metric in values and not all(np.isnan(values[metric])):
+                ax.plot(leads_h, values[metric], marker="o", markersize=3, label=name)
+        ax.set_xlabel("lead time (h)")
+        ax.set_title(f"{channel} {label}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"rollout skill at step {step} (WeatherBench 2 definitions)")
+    return fig

@@ -23,14 +23,16 @@ class LanguageTask:
     quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
 
     @staticmethod
-    def check_config(model: GPTConfig, data: WikiTextConfig, parallel) -> None:
+    def check_config(cfg) -> None:
+        model, data, cp = cfg.model, cfg.data, cfg.parallel.cp
         check_seq_len(model, data.seq_len)
-        cp = parallel.cp
+        require(cfg.trainer.rollout_every == 0, "rollouts are forecasts of the weather model", "trainer.rollout_every",
+                "set trainer.rollout_every=0 for the language model")
         require(data.seq_len % (2 * cp) == 0, f"data.seq_len={data.seq_len} is not a multiple of 2 x parallel.cp="
                 f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
                 f"use a multiple of {2 * cp}")
 
-    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig):
+    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig, trainer=None):
         self.cfg, self.model_cfg = data, model_cfg
         self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
         self.train_set = self.val_set = self.corpus = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -14,16 +15,21 @@ from utils import require
 from utils.comm import Grid
 from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
 from utils.data.era5_synthetic import ensure_synthetic
-from utils.tasks.figures import field_panels, figure_image
+from utils.tasks.figures import field_panels, figure_image, skill_panels
+from utils.tasks.forecast import Rollouts, rollout_skill
 from utils.tasks.weather_metrics import weighted_rmse_per_sample
+
+HOURS_PER_STEP = 6  # ERA5's files are 6-hourly
+SKILL_CHANNELS = ("u10m", "t2m", "z500")  # the channels of the skill figures (those the data has)
 
 
 class WeatherTask:
     """ERA5 next-state regression with the ViT."""
 
     @staticmethod
-    def check_config(model: ViTConfig, data: ERA5Config, parallel) -> None:
-        p, cp = model.patch_size, parallel.cp
+    def check_config(cfg) -> None:
+        model, data, cp = cfg.model, cfg.data, cfg.parallel.cp
+        p = model.patch_size
         require(data.img_size[0] % p == 0 and data.img_size[1] % p == 0,
                 f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
                 f"choose a crop whose sides are multiples of model.patch_size={p}")
@@ -37,15 +43,23 @@ class WeatherTask:
         return f"val/rmse/{self.cfg.channels[0]}"
 
     def describe(self) -> str:
-        return f"{self.train_set.infos[0].path.parent.parent}: {len(self.train_set)} train / {len(self.val_set)} valid pairs"
+        text = f"{self.train_set.infos[0].path.parent.parent}: {len(self.train_set)} train / {len(self.val_set)} valid pairs"
+        if self.rollouts is not None:
+            text += (f"; rollouts of {self.rollout_steps} steps from {self.rollout_inits} initial times"
+                     + ("" if self.rollouts.climatology is not None else
+                        " (no stats/time_means.npy: rollout ACC and the climatology baseline are left out)"))
+        return text
 
     def summary(self, metrics: dict[str, float]) -> str:
         first = f"val/rmse/{self.cfg.channels[0]}"
         return f"val/loss={metrics['val/loss']:.4g} {first}={metrics[first]:.4g}"
 
-    def __init__(self, data: ERA5Config, model_cfg: ViTConfig):
+    def __init__(self, data: ERA5Config, model_cfg: ViTConfig, trainer=None):
         self.cfg, self.model_cfg = data, model_cfg
-        self.train_set = self.val_set = None
+        self.rollout_steps, self.rollout_inits = (trainer.rollout_steps, trainer.rollout_inits) if trainer else (0, 0)
+        self.rollout_on = bool(trainer and trainer.rollout_every)
+        self.train_set = self.val_set = self.rollouts = None
+        self.baselines_logged, self.baseline_curves = False, {}
 
     def load_data(self) -> None:
         """Find (or generate) the files and inspect them; every data error is raised here."""
@@ -59,6 +73,8 @@ class WeatherTask:
         self.train_set = ERA5Dataset(root, "train", data, data.limit_nsamples)
         self.val_set = ERA5Dataset(root, "valid", data, data.limit_nsamples_val)
         self.lat_weights = latitude_weights(data.img_size[0])
+        if self.rollout_on:  # the initial times and their truths, checked before any distributed work
+            self.rollouts = Rollouts.of(self.val_set, root, self.rollout_steps, self.rollout_inits)
 
     def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Random inputs and targets of the training shapes (benchmarks)."""
@@ -105,4 +121,31 @@ class WeatherTask:
         if first is not None and batch.rank == 0 and writer.active:  # rank 0 alone draws and writes the figure
             channel = self.cfg.channels[0]
             writer.image(f"val/{channel}_pred_vs_target", figure_image(field_panels(*first, channel, step)), step)
+        return metrics
+
+    def evaluate_rollout(self, model: nn.Module, *, grid: Grid, autocast, writer, step: int) -> dict[str, float]:
+        """rollout/<metric>/<channel>/<lead>h of the model (utils/tasks/forecast.py), and the persistence and
+        climatology baselines once as baseline/<name>/<metric>/<channel>/<lead>h; a figure of RMSE and ACC
+        against lead time for u10m, t2m and z500 (those the data has). Returns the model's scalars."""
+        first = not self.baselines_logged
+        skill = rollout_skill(model, self.rollouts, grid=grid, autocast=autocast, with_baselines=first)
+        leads = [(k + 1) * self.cfg.dt * HOURS_PER_STEP for k in range(self.rollout_steps)]
+
+        def scalars(prefix: str, values: dict) -> dict[str, float]:
+            return {f"{prefix}/{metric}/{channel}/{lead}h": float(values[metric][k, c])
+                    for metric in values for c, channel in enumerate(self.cfg.channels)
+                    for k, lead in enumerate(leads) if not math.isnan(float(values[metric][k, c]))}
+
+        metrics = scalars("rollout", skill["model"])
+        if first:
+            self.baselines_logged = True
+            writer.scalars({tag: value for name in skill if name != "model"
+                            for tag, value in scalars(f"baseline/{name}", skill[name]).items()}, step)
+            self.baseline_curves = {name: skill[name] for name in skill if name != "model"}
+        if grid.batch.rank == 0 and writer.active:
+            for channel in [c for c in SKILL_CHANNELS if c in self.cfg.channels]:
+                c = self.cfg.channels.index(channel)
+                curves = {name: {m: v[:, c].tolist() for m, v in values.items()}
+                          for name, values in {"model": skill["model"], **self.baseline_curves}.items()}
+                writer.image(f"rollout/skill_{channel}", figure_image(skill_panels(leads, curves, channel, step)), step)
         return metrics

@@ -1,0 +1,159 @@
+"""Forecast skill (utils/tasks/forecast.py): WeatherBench 2's metrics against an independent computation on
+hand-made fields, rollouts under every kind of layout equal to one process, and the bad inputs."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import QUIET, read_scalars, read_tags, run_main
+from tests.rank_pool import run_entry_ranks
+from utils.tasks.forecast import cell_area_weights, skill, skill_sums
+
+ROLLOUT = [*QUIET, "trainer.max_steps=1", "trainer.rollout_every=1", "trainer.rollout_steps=3",
+           "trainer.rollout_inits=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4"]
+
+
+def test_cell_area_weights_are_wb2s():
+    """Rows at 90, 45, 0, -45, -90 degrees: cell areas between the bounds +-22.5 degrees, clipped at the poles."""
+    got = cell_area_weights(5).squeeze(-1).numpy()
+    lat = np.array([90.0, 45.0, 0.0, -45.0, -90.0])
+    upper, lower = np.minimum(lat + 22.5, 90.0), np.maximum(lat - 22.5, -90.0)
+    area = np.sin(np.deg2rad(upper)) - np.sin(np.deg2rad(lower))
+    np.testing.assert_allclose(got, area / area.mean(), rtol=1e-12)
+    assert got.mean() == pytest.approx(1.0) and got[0] == pytest.approx(got[-1]) and got[0] < got[2]
+
+
+def _independent(f, o, w, clim):
+    """The WB2 formulas written out with numpy loops over initial times and channels."""
+    times, channels = f.shape[:2]
+    rmse, bias, acc = np.zeros(channels), np.zeros(channels), np.zeros(channels)
+    for c in range(channels):
+        mse = [np.mean(w * (f[t, c] - o[t, c]) ** 2) for t in range(times)]
+        rmse[c] = math.sqrt(np.mean(mse))
+        bias[c] = np.mean([np.mean(w * (f[t, c] - o[t, c])) for t in range(times)])
+        accs = []
+        for t in range(times):
+            fa, oa = f[t, c] - clim[c], o[t, c] - clim[c]
+            accs.append(np.sum(w * fa * oa) / math.sqrt(np.sum(w * fa ** 2) * np.sum(w * oa ** 2)))
+        acc[c] = np.mean(accs)
+    return rmse, bias, acc
+
+
+def _metrics(f, o, w, clim):
+    return skill(skill_sums(torch.from_numpy(f), torch.from_numpy(o), torch.from_numpy(w), torch.from_numpy(clim)),
+                 len(f))
+
+
+def test_metrics_match_an_independent_computation():
+    rng = np.random.default_rng(0)
+    f, o = rng.normal(size=(5, 3, 8, 16)), rng.normal(size=(5, 3, 8, 16))
+    clim = rng.normal(size=(3, 8, 16)) * 0.3
+    w = cell_area_weights(8).numpy()
+    got = _metrics(f, o, w, clim)
+    for name, want in zip(("rmse", "bias", "acc"), _independent(f, o, w, clim)):
+        np.testing.assert_allclose(got[name].numpy(), want, rtol=1e-12)
+
+
+def test_perfect_climatological_and_biased_forecasts():
+    rng = np.random.default_rng(1)
+    o = rng.normal(size=(4, 2, 8, 16))
+    clim = rng.normal(size=(2, 8, 16))
+    w = cell_area_weights(8).numpy()
+    perfect = _metrics(o.copy(), o, w, clim)
+    assert perfect["rmse"].abs().max() == 0 and perfect["bias"].abs().max() == 0
+    np.testing.assert_allclose(perfect["acc"].numpy(), 1.0, rtol=1e-12)
+    climatological = _metrics(np.broadcast_to(clim, o.shape).copy(), o, w, clim)
+    assert torch.isnan(climatological["acc"]).all()  # no forecast anomaly: undefined, as WB2 says
+    biased = _metrics(o + 0.7, o, w, clim)
+    np.testing.assert_allclose(biased["rmse"].numpy(), 0.7, rtol=1e-12)  # weights of mean 1
+    np.testing.assert_allclose(biased["bias"].numpy(), 0.7, rtol=1e-12)
+
+
+def _rollout_scalars(run_dir) -> dict[str, float]:
+    scalars = read_scalars(run_dir)
+    return {tag: values[-1][1] for tag, values in scalars.items() if tag.startswith(("rollout/", "baseline/"))}
+
+
+@pytest.fixture(scope="module")
+def single(era5_root, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("forecast") / "single"
+    results = run_entry_ranks([*ROLLOUT, f"data.root={era5_root}", f"run.dir={run_dir}"], 1)
+    assert [r.value for r in results] == [0], results[0].error or results[0].stderr[-2000:]
+    return run_dir
+
+
+def test_a_rollout_logs_model_and_baselines_per_channel_and_lead(single):
+    scalars = _rollout_scalars(single)
+    for lead in ("6h", "12h", "18h"):
+        for prefix in ("rollout", "baseline/persistence"):
+            assert {f"{prefix}/{m}/u10m/{lead}" for m in ("rmse", "acc", "bias")} <= set(scalars)
+        assert f"baseline/climatology/rmse/t2m/{lead}" in scalars
+        assert f"baseline/climatology/acc/t2m/{lead}" not in scalars  # undefined: not logged
+    assert not any(tag.startswith("rollout/") and "/24h" in tag for tag in scalars)  # 3 steps of 6 h
+    persistence = [scalars[f"baseline/persistence/rmse/u10m/{h}h"] for h in (6, 12, 18)]
+    assert persistence == sorted(persistence)  # persistence degrades with lead on these waves
+    assert {"rollout/skill_u10m", "rollout/skill_t2m", "rollout/skill_z500"} <= set(read_tags(single)["images"])
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.tp=2"], ["parallel.cp=2"], ["parallel.pp=2"], ["parallel.dp=2", "parallel.dp_mode=fsdp"],
+    ["parallel.tp=2", "parallel.cp=2"], ["parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp"],
+], ids=lambda layout: "-".join(s.split(".")[1] for s in layout))
+def test_a_rollout_under_any_layout_equals_one_process(layout, single, era5_root, tmp_path):
+    """fp32, one training step then a 3-step rollout from 4 initial times: the same numbers (1e-5)."""
+    run_dir = tmp_path / "run"
+    results = run_entry_ranks([*ROLLOUT, f"data.root={era5_root}", f"run.dir={run_dir}", *layout])
+    assert {r.value for r in results} == {0}, [r.error or r.stderr[-2000:] for r in results]
+    want, got = _rollout_scalars(single), _rollout_scalars(run_dir)
+    assert got.keys() == want.keys()
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_bf16_rollouts_feed_predictions_back_in_float32(single, era5_root, tmp_path):
+    run_dir = tmp_path / "bf16"
+    results = run_entry_ranks([*ROLLOUT, f"data.root={era5_root}", f"run.dir={run_dir}", "precision=bf16"], 1)
+    assert [r.value for r in results] == [0]
+    want, got = _rollout_scalars(single), _rollout_scalars(run_dir)
+    rmse = [tag for tag in want if tag.startswith("rollout/rmse/")]
+    assert all(math.isfinite(got[tag]) for tag in got)
+    assert [got[t] for t in rmse] == pytest.approx([want[t] for t in rmse], rel=3e-2)  # bf16's 8 roundoffs
+
+
+@pytest.mark.parametrize("args,line", [
+    (["trainer.rollout_every=1", "trainer.rollout_steps=40"],
+     "error: a rollout of 40 steps of dt=1 needs 41 times after each of 8 initial times, and the validation files "
+     "hold 0 such starts (files of at most 32 times) (trainer.rollout_steps): use trainer.rollout_steps <= 31 or "
+     "fewer trainer.rollout_inits"),
+    (["model=gpt_tiny", "data=wikitext_sample", "trainer.rollout_every=5"],
+     "error: rollouts are forecasts of the weather model (trainer.rollout_every): set trainer.rollout_every=0 for "
+     "the language model"),
+    (["trainer.rollout_steps=0"], "error: rollout_steps must be positive (trainer.rollout_steps): set a positive integer"),
+])
+def test_bad_rollout_settings_are_one_line_and_exit_2(args, line, era5_root, corpus_root):
+    root = corpus_root if "data=wikitext_sample" in args else era5_root
+    code, _, err = run_main("train.py", f"data.root={root}", *args)
+    assert code == 2 and err.strip().splitlines() == [line]
+
+
+def test_without_time_means_acc_is_left_out_with_a_notice(era5_root, tmp_path):
+    """A data folder without stats/time_means.npy: RMSE and bias are still reported, ACC and the climatology
+    baseline are not, and the run's data line says so."""
+    root = tmp_path / "era5"
+    (root / "stats").mkdir(parents=True)
+    for split in ("train", "valid"):
+        os.symlink(era5_root / split, root / split)
+    for name in ("global_means.npy", "global_stds.npy"):
+        os.symlink(era5_root / "stats" / name, root / "stats" / name)
+    run_dir = tmp_path / "run"
+    results = run_entry_ranks([*ROLLOUT, f"data.root={root}", f"run.dir={run_dir}"], 1)
+    assert [r.value for r in results] == [0], results[0].error
+    scalars = _rollout_scalars(run_dir)
+    assert "rollout/rmse/u10m/6h" in scalars and "baseline/persistence/rmse/u10m/6h" in scalars
+    assert not any("/acc/" in tag or "climatology" in tag for tag in scalars)
+    assert "no stats/time_means.npy: rollout ACC and the climatology baseline are left out" in \
+        (run_dir / "train.log").read_text()

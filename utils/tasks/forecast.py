@@ -1,0 +1,154 @@
+"""Forecast skill by WeatherBench 2's definitions: autoregressive rollouts against persistence and climatology.
+
+From an initial state x_0 the model predicts x_1, is fed its own prediction (in float32 whatever the autocast
+dtype), and so on for K steps of data.dt (6 h each in ERA5). At each lead time l and for each channel c, in
+physical units (the normalisation undone with stats/global_means.npy and global_stds.npy):
+
+    w_j      cell-area latitude weights: sin(phi_j + d/2) - sin(phi_j - d/2) of row j (bounds clipped to the
+             poles), normalised to mean 1 over the rows; rows at phi_j = 90 - j * 180 / (H - 1), d = 180 / (H - 1)
+    MSE_t    = mean_ij w_j (f - o)^2                      for initial time t, forecast f, truth o
+    RMSE     = sqrt(mean_t MSE_t)                         the root after the time mean, as WB2
+    bias     = mean_t mean_ij w_j (f - o)
+    ACC_t    = sum_ij w_j f' o' / sqrt(sum_ij w_j f'^2 * sum_ij w_j o'^2),   f' = f - C, o' = o - C
+    ACC      = mean_t ACC_t
+
+with C the climatology of stats/time_means.npy (one time-mean field per channel, as FourCastNet's ACC; WB2's
+climatology is by day of year and hour). Baselines: persistence (f = x_0 at every lead) and climatology
+(f = C, whose ACC is undefined: NaN, as in WB2). Without time_means.npy there is no climatology: ACC and the
+climatology baseline are left out with a notice, RMSE and bias are still reported.
+
+Under any layout the sums over initial times are reduced over the batch group (each dp rank takes every
+dp-th initial time; tp, cp and pp ranks of a replica compute the same), so the numbers are those of one process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from distributed.collectives import all_reduce_
+from distributed.pipeline.schedule import from_last_stage
+from utils import require
+from utils.comm import Grid
+
+METRICS = ("rmse", "acc", "bias")
+
+
+def cell_area_weights(num_lat: int) -> torch.Tensor:
+    """WeatherBench 2's latitude weights of `num_lat` rows from 90 to -90 degrees: (num_lat, 1), mean 1."""
+    step = 180.0 / max(1, num_lat - 1)
+    lat = 90.0 - torch.arange(num_lat, dtype=torch.float64) * step
+    upper, lower = (lat + step / 2).clamp(max=90.0), (lat - step / 2).clamp(min=-90.0)
+    w = torch.sin(torch.deg2rad(upper)) - torch.sin(torch.deg2rad(lower))
+    return (w / w.mean()).unsqueeze(-1)
+
+
+def skill_sums(forecast: torch.Tensor, truth: torch.Tensor, weights: torch.Tensor,
+               climatology: torch.Tensor | None, counted: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-channel sums over the initial times of a batch (B, C, H, W), float64: rows [weighted MSE,
+    weighted mean error, ACC] (the ACC row NaN without a climatology); a row's mean over times is the metric
+    (the RMSE after its square root). `counted` (B,) bool leaves out padding samples."""
+    f, o = forecast.double(), truth.double()
+    rows = [((f - o) ** 2 * weights).mean(dim=(-2, -1)), ((f - o) * weights).mean(dim=(-2, -1))]
+    if climatology is None:
+        rows.append(torch.full_like(rows[0], math.nan))
+    else:
+        fa, oa = f - climatology.double(), o - climatology.double()
+        num = (weights * fa * oa).sum(dim=(-2, -1))
+        den = ((weights * fa ** 2).sum(dim=(-2, -1)) * (weights * oa ** 2).sum(dim=(-2, -1))).sqrt()
+        rows.append(num / den)  # 0/0 (no forecast anomaly): NaN, as WB2
+    per_sample = torch.stack(rows, dim=1)  # (B, 3, C)
+    if counted is not None:
+        per_sample = per_sample[counted]
+    return per_sample.sum(0)
+
+
+def skill(sums: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
+    """{'rmse', 'bias', 'acc'} per channel from `skill_sums` added over `count` initial times."""
+    mean = sums / count
+    return {"rmse": mean[0].sqrt(), "bias": mean[1], "acc": mean[2]}
+
+
+@dataclass
+class Rollouts:
+    """The initial times of the rollout evaluation: evenly spaced over a split, each with K truths after it."""
+
+    files: list[Path]
+    starts: list[tuple[int, int]]  # (file index, time index) of each initial time
+    steps: int
+    dt: int
+    img_size: tuple[int, int]
+    means: torch.Tensor  # (C, 1, 1)
+    stds: torch.Tensor
+    climatology: torch.Tensor | None  # (C, H, W) physical, or None without stats/time_means.npy
+
+    @classmethod
+    def of(cls, dataset, root: Path, steps: int, count: int) -> Rollouts:
+        """`count` initial times of `dataset`'s files (an ERA5Dataset), each followed by `steps` x dt times."""
+        span = steps * dataset.dt
+        usable = [(i, t) for i, info in enumerate(dataset.infos) for t in range(info.num_times - span)]
+        longest = max(info.num_times for info in dataset.infos)
+        require(len(usable) >= count, f"a rollout of {steps} steps of dt={dataset.dt} needs {span + 1} times after "
+                f"each of {count} initial times, and the validation files hold {len(usable)} such starts (files of "
+                f"at most {longest} times)", "trainer.rollout_steps",
+                f"use trainer.rollout_steps <= {max(0, (longest - 1) // dataset.dt)} or fewer trainer.rollout_inits")
+        starts = [usable[k * len(usable) // count] for k in range(count)]
+        h, w = dataset.img_size
+        path = root / "stats" / "time_means.npy"
+        clim = None
+        if path.is_file():
+            clim = torch.from_numpy(np.load(path).astype(np.float32))[0, :, :h, :w]
+        return cls([info.path for info in dataset.infos], starts, steps, dataset.dt, (h, w), dataset.means,
+                   dataset.stds, clim)
+
+    def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_0 normalised (C, H, W), truths in physical units (K, C, H, W)) of initial time `index`."""
+        file, t = self.starts[index]
+        h, w = self.img_size
+        with h5py.File(self.files[file], "r") as f:
+            times = f["fields"][t:t + self.steps * self.dt + 1:self.dt, :, :h, :w].astype(np.float32)
+        fields = torch.from_numpy(times)
+        return (fields[0] - self.means) / self.stds, fields[1:]
+
+
+@torch.no_grad()
+def rollout_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, with_baselines: bool
+                  ) -> dict[str, dict[str, torch.Tensor]]:
+    """{'model', ['persistence', 'climatology']} -> {'rmse', 'acc', 'bias'} -> (K, C) tensors, the same on
+    every rank. `model` is the forward pass (under pp: through the stages, the output on the last stage)."""
+    device, batch, count = grid.device, grid.batch, len(rollouts.starts)
+    # every dp rank runs the same number of forwards (FSDP gathers over dp x cp): a short rank repeats one
+    # of its initial times without counting it
+    mine = list(range(count))[batch.rank::batch.size]
+    per_rank = -(-count // batch.size)
+    counted = torch.tensor([True] * len(mine) + [False] * (per_rank - len(mine)), device=device)
+    mine += [mine[0] if mine else 0] * (per_rank - len(mine))
+    names = ["model"] + (["persistence"] + (["climatology"] if rollouts.climatology is not None else [])
+                         if with_baselines else [])
+    num_channels = len(rollouts.means)
+    sums = torch.zeros(len(names), rollouts.steps, 3, num_channels, dtype=torch.float64, device=device)
+    weights = cell_area_weights(rollouts.img_size[0]).to(device)
+    means, stds = rollouts.means.to(device), rollouts.stds.to(device)
+    clim = rollouts.climatology.to(device) if rollouts.climatology is not None else None
+    if per_rank:
+        pairs = [rollouts.read(i) for i in mine]
+        x = torch.stack([p[0] for p in pairs]).to(device)
+        truths = torch.stack([p[1] for p in pairs], dim=1).to(device)  # (K, B, C, H, W)
+        start = x * stds + means
+        for lead in range(rollouts.steps):
+            with autocast():
+                pred = model(x)
+            x = from_last_stage(model, None if pred is None else pred.float(), x)  # fed back in float32
+            forecasts = {"model": x * stds + means, "persistence": start,
+                         "climatology": None if clim is None else clim.expand_as(start)}
+            for k, name in enumerate(names):
+                sums[k, lead] = skill_sums(forecasts[name], truths[lead], weights, clim, counted)
+    all_reduce_(sums, batch)
+    return {name: {metric: torch.stack([skill(sums[k, lead], count)[metric]
+                                        for lead in range(rollouts.steps)]).cpu() for metric in METRICS}
+            for k, name in enumerate(names)}
