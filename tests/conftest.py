@@ -20,7 +20,9 @@ SLOW_TESTS = {"test_compiled_training_follows_eager", "test_a_nan_on_one_rank_is
               "test_out_writes_the_table_csv_and_figures", "test_a_glob_expands_sorted", "test_profile_of_steps_2_to_3",
               "test_a_rollout_logs_model_and_baselines_per_channel_and_lead",
               "test_a_rollout_under_any_layout_equals_one_process", "test_bf16_rollouts_feed_predictions_back_in_float32",
-              "test_without_time_means_acc_is_left_out_with_a_notice"}
+              "test_without_time_means_acc_is_left_out_with_a_notice",
+              "test_the_forecast_command_reads_a_checkpoint_of_another_layout",
+              "test_the_forecast_command_refuses_bad_input_with_one_line"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -157,3 +157,48 @@ def test_without_time_means_acc_is_left_out_with_a_notice(era5_root, tmp_path):
     assert not any("/acc/" in tag or "climatology" in tag for tag in scalars)
     assert "no stats/time_means.npy: rollout ACC and the climatology baseline are left out" in \
         (run_dir / "train.log").read_text()
+
+
+def test_the_forecast_command_reads_a_checkpoint_of_another_layout(era5_root, tmp_path):
+    """A tp2 run's checkpoint, forecast in one process: the HDF5 file reads back with the stated shapes, the
+    tables and figures are written, and its skill is the rollout the run logged (same weights, same inits)."""
+    import h5py
+
+    from utils.forecast.report import main
+
+    run_dir = tmp_path / "run"
+    results = run_entry_ranks([*ROLLOUT, f"data.root={era5_root}", f"run.dir={run_dir}", "parallel.tp=2"])
+    assert {r.value for r in results} == {0}
+    out = tmp_path / "forecast"
+    step = run_dir / "checkpoints" / "step_0000001"
+    assert main([str(step), "--steps", "3", "--inits", "4", "--map-leads", "1", "--out", str(out),
+                 f"data.root={era5_root}"]) == 0
+    with h5py.File(out / "forecast.h5") as f:
+        assert f["forecast"].shape == f["truth"].shape == (4, 3, 20, 32, 64)
+        assert f["init"].shape == (4, 2) and list(f.attrs["lead_hours"]) == [6, 12, 18]
+        assert list(f.attrs["channels"])[0] == "u10m"
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "channel,lead_h,forecast,rmse,acc,bias" and len(rows) == 1 + 20 * 3 * 3
+    logged = _rollout_scalars(run_dir)
+    table = {(c, int(h), n): float(r) for c, h, n, r, *_ in (row.split(",") for row in rows[1:])}
+    assert table[("u10m", 12, "model")] == pytest.approx(logged["rollout/rmse/u10m/12h"], rel=1e-5)
+    assert table[("t2m", 18, "persistence")] == pytest.approx(logged["baseline/persistence/rmse/t2m/18h"], rel=1e-5)
+    assert {p.name for p in out.glob("*.png")} == {f"{k}_{c}.png" for c in ("u10m", "t2m", "z500")
+                                                   for k in ("skill",)} | {f"map_{c}_6h.png" for c in
+                                                                           ("u10m", "t2m", "z500")}
+
+
+def test_the_forecast_command_refuses_bad_input_with_one_line(era5_root, corpus_root, tmp_path, capsys):
+    from utils.forecast.report import main
+
+    lm = tmp_path / "lm"
+    results = run_entry_ranks([*QUIET, "model=gpt_tiny", "data=wikitext_sample", f"data.root={corpus_root}",
+                               "trainer.max_steps=1", "trainer.global_batch_size=4", f"run.dir={lm}"], 1)
+    assert [r.value for r in results] == [0]
+    cases = {lm / "checkpoints" / "step_0000001": "is a checkpoint of the gpt model, not of the weather model",
+             tmp_path / "nowhere" / "checkpoints" / "step_0000001": "is not a step folder of a run directory"}
+    for checkpoint, what in cases.items():
+        with pytest.raises(SystemExit) as exit_:
+            main([str(checkpoint), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and what in err[0]

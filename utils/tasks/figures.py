@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 
-def field_panels(pred: torch.Tensor, target: torch.Tensor, name: str, step: int):
+def field_panels(pred: torch.Tensor, target: torch.Tensor, name: str, step: int, units: str = "normalized units",
+                 sample: str = "first validation sample"):
     """Prediction, target and error (prediction - target) of one (H, W) field side by side, titled, on one
     diverging colour scale symmetric about 0 whose range is printed on the shared colour bar: the three
     panels' colours mean the same value. A matplotlib Figure (see `figure_image`)."""
@@ -24,9 +25,9 @@ def field_panels(pred: torch.Tensor, target: torch.Tensor, name: str, step: int)
         ax.set_title(title)
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.suptitle(f"{name}, first validation sample, step {step}")
+    fig.suptitle(f"{name}, {sample}, step {step}")
     fig.colorbar(shown, ax=list(axes), orientation="horizontal", shrink=0.5,
-                 label=f"{name} (normalized units); shared colour range [{-vmax:.3g}, {vmax:.3g}]")
+                 label=f"{name} ({units}); shared colour range [{-vmax:.3g}, {vmax:.3g}]")
     return fig
 
 

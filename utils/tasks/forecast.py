@@ -117,10 +117,11 @@ class Rollouts:
 
 
 @torch.no_grad()
-def rollout_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, with_baselines: bool
-                  ) -> dict[str, dict[str, torch.Tensor]]:
+def rollout_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, with_baselines: bool,
+                  keep: list | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """{'model', ['persistence', 'climatology']} -> {'rmse', 'acc', 'bias'} -> (K, C) tensors, the same on
-    every rank. `model` is the forward pass (under pp: through the stages, the output on the last stage)."""
+    every rank. `model` is the forward pass (under pp: through the stages, the output on the last stage).
+    `keep`: a list that receives this rank's (forecasts, truths), each (B, K, C, H, W) in physical units."""
     device, batch, count = grid.device, grid.batch, len(rollouts.starts)
     # every dp rank runs the same number of forwards (FSDP gathers over dp x cp): a short rank repeats one
     # of its initial times without counting it
@@ -148,6 +149,10 @@ def rollout_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, with_basel
                          "climatology": None if clim is None else clim.expand_as(start)}
             for k, name in enumerate(names):
                 sums[k, lead] = skill_sums(forecasts[name], truths[lead], weights, clim, counted)
+            if keep is not None:
+                keep.append(forecasts["model"][counted].cpu())
+        if keep is not None:
+            keep[:] = [torch.stack(keep, dim=1), truths[:, counted].transpose(0, 1).cpu()]
     all_reduce_(sums, batch)
     return {name: {metric: torch.stack([skill(sums[k, lead], count)[metric]
                                         for lead in range(rollouts.steps)]).cpu() for metric in METRICS}

@@ -43,7 +43,8 @@ class WeatherTask:
         return f"val/rmse/{self.cfg.channels[0]}"
 
     def describe(self) -> str:
-        text = f"{self.train_set.infos[0].path.parent.parent}: {len(self.train_set)} train / {len(self.val_set)} valid pairs"
+        text = (f"{self.train_set.infos[0].path.parent.parent}: {len(self.train_set)} train / {len(self.val_set)} "
+                "valid pairs")
         if self.rollouts is not None:
             text += (f"; rollouts of {self.rollout_steps} steps from {self.rollout_inits} initial times"
                      + ("" if self.rollouts.climatology is not None else

@@ -1,0 +1,153 @@
+"""Forecasts of a trained weather model: `python -m utils.forecast CHECKPOINT [--steps 20] [--inits 8] --out DIR`.
+
+CHECKPOINT is a step_* folder of any layout (read in one process, as export reads it); the run's
+config.yaml beside its checkpoints/ gives the model and the data (`data.root=PATH` and other `data.` settings
+may be given after the options). From `--inits` initial times evenly spaced over the validation split the
+model rolls out `--steps` steps of data.dt (utils/tasks/forecast.py, WeatherBench 2's definitions), and DIR
+receives:
+
+    forecast.h5      `forecast` and `truth` [inits, steps, C, H, W] float32 in physical units, `init` [inits, 2]
+                     (file index, time index), attributes `channels`, `lead_hours`, `checkpoint`
+    metrics.md/.csv  RMSE, ACC and bias per channel and lead: the model, persistence and climatology
+    skill_<channel>.png   RMSE and ACC against lead time (u10m, t2m, z500: those the data has)
+    map_<channel>_<lead>h.png   prediction, truth and error of the first initial time at `--map-leads`
+
+Bad input (not a complete checkpoint, a run of the language model, a rollout longer than the data): one line,
+exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from pathlib import Path
+
+from utils import ConfigError, exit_bad_input, require
+
+SKILL_CHANNELS = ("u10m", "t2m", "z500")
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(prog="python -m utils.forecast", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a step_* folder of a run's checkpoints/")
+    parser.add_argument("--steps", type=int, default=20, help="autoregressive steps of data.dt (default 20)")
+    parser.add_argument("--inits", type=int, default=8, help="initial times of the validation split (default 8)")
+    parser.add_argument("--map-leads", type=int, nargs="*", default=[1, 4], help="steps whose maps are drawn")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the files, tables and figures")
+    parser.add_argument("data", nargs="*", help="data.key=value settings over the run's (e.g. data.root=PATH)")
+    return parser.parse_intermixed_args(argv)
+
+
+def load_run(checkpoint: Path, data_overrides: list[str]):
+    """(model config, data config) of the run the checkpoint belongs to, through the family registry."""
+    from omegaconf import OmegaConf
+
+    from utils.tasks import FAMILIES
+
+    config = checkpoint.parent.parent / "config.yaml"
+    require(config.is_file(), f"{checkpoint} is not a step folder of a run directory (no {config})", "CHECKPOINT",
+            "give run.dir/checkpoints/step_NNNNNNN of a run train.py wrote")
+    raw = OmegaConf.load(config)
+    family = FAMILIES.get(raw.model.arch)
+    require(family is not None and family.data_kind == "era5", f"{checkpoint} is a checkpoint of the "
+            f"{raw.model.arch} model, not of the weather model", "CHECKPOINT", "give a checkpoint of a ViT run")
+    require(all(a.startswith("data.") and "=" in a for a in data_overrides), f"bad settings {data_overrides}",
+            "data.KEY=VALUE", "give only data settings, e.g. data.root=/path/to/era5")
+    extra = OmegaConf.from_dotlist(data_overrides).get("data", {})
+    try:
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.model_schema), raw.model))
+        data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.data_schema), raw.data, extra))
+    except Exception as err:  # OmegaConf's validation errors, or a schema's own ConfigError
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"the run's config does not fit this version ({err})", "CHECKPOINT",
+                          "use the version of the project that trained it") from None
+    return family, model, data
+
+
+def forecast(args) -> dict:
+    """Roll the checkpoint's model out and return {skill, forecasts, truths, task}."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from utils.checkpoints.checkpointer import Checkpointer
+    from utils.checkpoints.sharded_state import read_full
+    from utils.comm import Grid
+    from utils.tasks.forecast import rollout_skill
+
+    require(args.steps > 0 and args.inits > 0, "--steps and --inits must be positive", "--steps/--inits",
+            "give positive counts")
+    family, model_cfg, data_cfg = load_run(args.checkpoint, args.data)
+    require(Checkpointer(args.checkpoint.parent.parent, Grid.serial().world).is_complete(args.checkpoint),
+            f"{args.checkpoint} is not a complete checkpoint", "CHECKPOINT",
+            "give a step_* folder that holds a COMPLETE marker")
+    task = family.task(data_cfg, model_cfg, SimpleNamespace(rollout_every=1, rollout_steps=args.steps,
+                                                            rollout_inits=args.inits))
+    task.load_data()
+    model = task.build_model()
+    state = {k.partition("/")[2]: v for k, v in read_full(args.checkpoint).items() if k.startswith("model/")}
+    model.load_state_dict(state)
+    model.eval()
+    kept: list = []
+    skill = rollout_skill(model, task.rollouts, grid=Grid.serial(), autocast=contextlib.nullcontext,
+                          with_baselines=True, keep=kept)
+    return {"skill": skill, "forecasts": kept[0], "truths": kept[1], "task": task}
+
+
+def write_outputs(args, result: dict) -> list[Path]:
+    import h5py
+    import numpy as np
+
+    from utils.tasks.figures import field_panels, skill_panels
+
+    task, skill, out = result["task"], result["skill"], args.out
+    out.mkdir(parents=True, exist_ok=True)
+    channels, dt = task.cfg.channels, task.cfg.dt
+    leads = [(k + 1) * dt * 6 for k in range(args.steps)]
+    written = [out / "forecast.h5", out / "metrics.md", out / "metrics.csv"]
+    with h5py.File(written[0], "w") as f:
+        f.create_dataset("forecast", data=result["forecasts"].numpy().astype(np.float32))
+        f.create_dataset("truth", data=result["truths"].numpy().astype(np.float32))
+        f.create_dataset("init", data=np.array(task.rollouts.starts, dtype=np.int64))
+        f.attrs.update(channels=list(channels), lead_hours=leads, checkpoint=str(args.checkpoint))
+    rows = [(channel, lead, name, *(float(skill[name][m][k, c]) for m in ("rmse", "acc", "bias")))
+            for c, channel in enumerate(channels) for k, lead in enumerate(leads) for name in skill]
+    with written[2].open("w", newline="") as f:
+        csv.writer(f).writerows([("channel", "lead_h", "forecast", "rmse", "acc", "bias"), *rows])
+    cell = lambda v: "" if math.isnan(v) else f"{v:.4g}"  # noqa: E731 - undefined ACC (climatology): empty
+    written[1].write_text("| channel | lead (h) | forecast | RMSE | ACC | bias |\n|---|---:|---|---:|---:|---:|\n" +
+                          "".join(f"| {c} | {lead} | {n} | {cell(r)} | {cell(a)} | {cell(b)} |\n"
+                                  for c, lead, n, r, a, b in rows))
+    for channel in [c for c in SKILL_CHANNELS if c in channels]:
+        c = channels.index(channel)
+        curves = {name: {m: v[:, c].tolist() for m, v in values.items()} for name, values in skill.items()}
+        path = out / f"skill_{channel}.png"
+        skill_panels(leads, curves, channel, step=int(args.checkpoint.name.rpartition("_")[2])).savefig(path)
+        written.append(path)
+        for lead in [k for k in args.map_leads if 1 <= k <= args.steps]:
+            pred, truth = result["forecasts"][0, lead - 1, c], result["truths"][0, lead - 1, c]
+            path = out / f"map_{channel}_{leads[lead - 1]}h.png"
+            field_panels(pred, truth, f"{channel} at {leads[lead - 1]} h", int(args.checkpoint.name.rpartition("_")[2]),
+                         units="physical units", sample="first initial time").savefig(path)
+            written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = forecast(args)
+        written = write_outputs(args, result)
+    except ConfigError as err:
+        exit_bad_input(err)
+    skill = result["skill"]["model"]
+    print(f"wrote {len(written)} files to {args.out}: {args.inits} rollouts of {args.steps} steps; "
+          f"{result['task'].cfg.channels[0]} RMSE {float(skill['rmse'][0, 0]):.4g} at the first lead, "
+          f"{float(skill['rmse'][-1, 0]):.4g} at the last")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
