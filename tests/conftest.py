@@ -22,7 +22,9 @@ SLOW_TESTS = {"test_compiled_training_follows_eager", "test_a_nan_on_one_rank_is
               "test_a_rollout_under_any_layout_equals_one_process", "test_bf16_rollouts_feed_predictions_back_in_float32",
               "test_without_time_means_acc_is_left_out_with_a_notice",
               "test_the_forecast_command_reads_a_checkpoint_of_another_layout",
-              "test_the_forecast_command_refuses_bad_input_with_one_line"}
+              "test_the_forecast_command_refuses_bad_input_with_one_line",
+              "test_rollout_training_follows_the_single_process_curve",
+              "test_rollout_training_resumes_mid_curriculum_exactly", "test_rollout_training_changes_the_loss_from_k_2_on"}
 
 
 def pytest_collection_modifyitems(config, items):

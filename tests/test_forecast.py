@@ -133,6 +133,10 @@ def test_bf16_rollouts_feed_predictions_back_in_float32(single, era5_root, tmp_p
      "error: rollouts are forecasts of the weather model (trainer.rollout_every): set trainer.rollout_every=0 for "
      "the language model"),
     (["trainer.rollout_steps=0"], "error: rollout_steps must be positive (trainer.rollout_steps): set a positive integer"),
+    (["trainer.rollout_train_steps=2", "parallel.pp=2"],
+     "error: trainer.rollout_train_steps=2 with parallel.pp=2: a rollout feeds the last stage's prediction back to "
+     "the first stage within one step, which the pipeline schedules do not do (trainer.rollout_train_steps): use "
+     "parallel.pp=1 (tp, cp, dp and fsdp run rollout training), or rollout_train_steps=1"),
 ])
 def test_bad_rollout_settings_are_one_line_and_exit_2(args, line, era5_root, corpus_root):
     root = corpus_root if "data=wikitext_sample" in args else era5_root
@@ -202,3 +206,52 @@ def test_the_forecast_command_refuses_bad_input_with_one_line(era5_root, corpus_
             main([str(checkpoint), "--out", str(tmp_path / "out")])
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and what in err[0]
+
+
+ROLLOUT_TRAINING = [*QUIET, "trainer.max_steps=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4",
+                    "trainer.rollout_train_steps=3", "trainer.rollout_train_every=2", "trainer.log_every=1",
+                    "trainer.activation_checkpointing=true"]  # K = 1, 1, 2, 2 over the 4 steps
+
+
+def _losses(run_dir) -> list[float]:
+    return [v for _, v in read_scalars(run_dir)["train/loss"]]
+
+
+@pytest.fixture(scope="module")
+def rollout_single(era5_root, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("rollout_training") / "single"
+    results = run_entry_ranks([*ROLLOUT_TRAINING, f"data.root={era5_root}", f"run.dir={run_dir}"], 1)
+    assert [r.value for r in results] == [0], results[0].error or results[0].stderr[-2000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.tp=2"], ["parallel.cp=2"],
+                                    ["parallel.dp=2", "parallel.dp_mode=fsdp"]],
+                         ids=lambda layout: "-".join(s.split(".")[1] for s in layout))
+def test_rollout_training_follows_the_single_process_curve(layout, rollout_single, era5_root, tmp_path):
+    """Backpropagation through K predicted steps, K raised by the curriculum at step 2: every layout's losses
+    and validation are the single process's (fp32, 1e-4), and K > 1 changes the loss (it is not one-step)."""
+    run_dir = tmp_path / "run"
+    results = run_entry_ranks([*ROLLOUT_TRAINING, f"data.root={era5_root}", f"run.dir={run_dir}", *layout])
+    assert {r.value for r in results} == {0}, [r.error or r.stderr[-2000:] for r in results]
+    assert _losses(run_dir) == pytest.approx(_losses(rollout_single), rel=1e-4)
+    want, got = read_scalars(rollout_single)["val/loss"], read_scalars(run_dir)["val/loss"]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-4)
+
+
+def test_rollout_training_resumes_mid_curriculum_exactly(rollout_single, era5_root, tmp_path):
+    run_dir = tmp_path / "resumed"
+    argv = [*ROLLOUT_TRAINING, f"data.root={era5_root}", f"run.dir={run_dir}"]
+    assert [r.value for r in run_entry_ranks([*argv, "trainer.stop_at_step=3"], 1)] == [0]
+    assert [r.value for r in run_entry_ranks(argv, 1)] == [0]
+    assert _losses(run_dir) == _losses(rollout_single)  # bitwise: the same layout, K a function of the step
+
+
+def test_rollout_training_changes_the_loss_from_k_2_on(rollout_single, era5_root, tmp_path):
+    """The curriculum's first steps (K = 1) are one-step training on the same samples; from step 3 (K = 2)
+    the loss is the rollout's, so it differs from a run with the horizon read but K held at 1."""
+    run_dir = tmp_path / "k1"
+    argv = [*ROLLOUT_TRAINING, f"data.root={era5_root}", f"run.dir={run_dir}", "trainer.rollout_train_every=100"]
+    assert [r.value for r in run_entry_ranks(argv, 1)] == [0]
+    one_step, rolled = _losses(run_dir), _losses(rollout_single)
+    assert one_step[:2] == rolled[:2] and one_step[2] != pytest.approx(rolled[2], rel=1e-3)

@@ -100,20 +100,21 @@ def load_stats(root: Path, num_channels: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class ERA5Dataset(Dataset):
-    """Normalized (x_t, x_t+dt) pairs from one split, each a float32 tensor [C, H, W]."""
+    """Normalized (x_t, x_t+dt) pairs from one split, each a float32 tensor [C, H, W]; with `horizon` K > 1
+    (rollout training) the target is the K states after x_t, [K, C, H, W]."""
 
-    def __init__(self, root: Path, split: str, cfg: ERA5Config, limit: int | None):
+    def __init__(self, root: Path, split: str, cfg: ERA5Config, limit: int | None, horizon: int = 1):
         num_channels = len(cfg.channels)
-        self.infos = [inspect_file(p, num_channels, cfg.dt) for p in split_files(root, split)]
+        self.infos = [inspect_file(p, num_channels, cfg.dt * horizon) for p in split_files(root, split)]
         h, w = cfg.img_size
         for info in self.infos:
             require(h <= info.shape[0] and w <= info.shape[1],
                     f"img_size {[h, w]} is larger than the files ({list(info.shape)})", "data.img_size",
                     f"choose a crop no larger than {list(info.shape)}")
-        self.img_size, self.dt = (h, w), cfg.dt
+        self.img_size, self.dt, self.horizon = (h, w), cfg.dt, horizon
         means, stds = load_stats(root, num_channels)
         self.means, self.stds = torch.from_numpy(means[0]), torch.from_numpy(stds[0])  # (C, 1, 1)
-        counts = [i.num_times - cfg.dt for i in self.infos]
+        counts = [i.num_times - cfg.dt * horizon for i in self.infos]
         self.offsets = np.cumsum([0] + counts).tolist()
         self.length = min(self.offsets[-1], limit) if limit else self.offsets[-1]
         self._handles: dict[int, h5py.File] = {}
@@ -138,7 +139,11 @@ class ERA5Dataset(Dataset):
         h, w = self.img_size
         fields = self._fields(file_index)
         x = torch.from_numpy(fields[t, :, :h, :w].astype(np.float32))
-        y = torch.from_numpy(fields[t + self.dt, :, :h, :w].astype(np.float32))
+        if self.horizon == 1:
+            y = torch.from_numpy(fields[t + self.dt, :, :h, :w].astype(np.float32))
+        else:
+            end = t + self.dt * self.horizon + 1
+            y = torch.from_numpy(fields[t + self.dt:end:self.dt, :, :h, :w].astype(np.float32))
         return (x - self.means) / self.stds, (y - self.means) / self.stds
 
     def __getstate__(self):

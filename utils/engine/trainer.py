@@ -152,7 +152,7 @@ class Trainer:
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
             sync = i == micro - 1  # reduce gradients over dp only after the last micro-batch
             with (contextlib.nullcontext() if sync else no_sync(self.model)), self.autocast():
-                loss = self.raw_model.criterion(self.model(x), y) / micro
+                loss = self.task.training_loss(self.model, self.raw_model.criterion, x, y, self.step) / micro
             self.scaler.scale(loss).backward()
             total += loss.detach()
         return total

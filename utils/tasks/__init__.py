@@ -54,6 +54,10 @@ class Task(Protocol):
     def tokens_per_sample(self) -> int:
         """Sequence positions per sample (tokens/s, FLOPs)."""
 
+    def training_loss(self, model: nn.Module, criterion: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      step: int) -> torch.Tensor:
+        """The loss of a training micro-batch at optimizer step `step` (0-based), to be backpropagated."""
+
     def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast, writer,
                  step: int) -> dict[str, float]:
         """val/loss and the task's metrics over the validation loader, reduced over the grid."""

@@ -26,8 +26,11 @@ class LanguageTask:
     def check_config(cfg) -> None:
         model, data, cp = cfg.model, cfg.data, cfg.parallel.cp
         check_seq_len(model, data.seq_len)
-        require(cfg.trainer.rollout_every == 0, "rollouts are forecasts of the weather model", "trainer.rollout_every",
-                "set trainer.rollout_every=0 for the language model")
+        for name in ("rollout_every", "rollout_train_every"):
+            require(getattr(cfg.trainer, name) == 0, "rollouts are forecasts of the weather model",
+                    f"trainer.{name}", f"set trainer.{name}=0 for the language model")
+        require(cfg.trainer.rollout_train_steps == 1, "rollouts are forecasts of the weather model",
+                "trainer.rollout_train_steps", "set trainer.rollout_train_steps=1 for the language model")
         require(data.seq_len % (2 * cp) == 0, f"data.seq_len={data.seq_len} is not a multiple of 2 x parallel.cp="
                 f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
                 f"use a multiple of {2 * cp}")
@@ -67,6 +70,10 @@ class LanguageTask:
 
     def tokens_per_sample(self) -> int:
         return self.cfg.seq_len
+
+    def training_loss(self, model: nn.Module, criterion: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      step: int) -> torch.Tensor:
+        return criterion(model(x), y)
 
     def summary(self, metrics: dict[str, float]) -> str:
         return f"val/loss={metrics['val/loss']:.4g} val/ppl={metrics['val/ppl']:.4g} (unigram ppl {self.unigram_ppl:.4g})"

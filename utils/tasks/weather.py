@@ -34,6 +34,11 @@ class WeatherTask:
                 f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
                 f"choose a crop whose sides are multiples of model.patch_size={p}")
         tokens = (data.img_size[0] // p) * (data.img_size[1] // p)
+        require(cfg.trainer.rollout_train_steps == 1 or cfg.parallel.pp == 1,
+                f"trainer.rollout_train_steps={cfg.trainer.rollout_train_steps} with parallel.pp={cfg.parallel.pp}: "
+                "a rollout feeds the last stage's prediction back to the first stage within one step, which the "
+                "pipeline schedules do not do", "trainer.rollout_train_steps",
+                "use parallel.pp=1 (tp, cp, dp and fsdp run rollout training), or rollout_train_steps=1")
         require(tokens >= cp, f"{tokens} patches cannot be split over parallel.cp={cp}", "parallel.cp",
                 f"use parallel.cp <= {tokens} or a larger data.img_size")
 
@@ -59,6 +64,8 @@ class WeatherTask:
         self.cfg, self.model_cfg = data, model_cfg
         self.rollout_steps, self.rollout_inits = (trainer.rollout_steps, trainer.rollout_inits) if trainer else (0, 0)
         self.rollout_on = bool(trainer and trainer.rollout_every)
+        self.train_horizon, self.curriculum = (trainer.rollout_train_steps, trainer.rollout_train_every) \
+            if trainer else (1, 0)
         self.train_set = self.val_set = self.rollouts = None
         self.baselines_logged, self.baseline_curves = False, {}
 
@@ -71,7 +78,7 @@ class WeatherTask:
             require(bool(data.root), "no data folder given", "data.root", "set data.root=/path/to/era5 (NERSC layout)")
             root = Path(data.root)
             require(root.is_dir(), f"data folder {root} does not exist", "data.root", "point it at the ERA5 folder")
-        self.train_set = ERA5Dataset(root, "train", data, data.limit_nsamples)
+        self.train_set = ERA5Dataset(root, "train", data, data.limit_nsamples, self.train_horizon)
         self.val_set = ERA5Dataset(root, "valid", data, data.limit_nsamples_val)
         self.lat_weights = latitude_weights(data.img_size[0])
         if self.rollout_on:  # the initial times and their truths, checked before any distributed work
@@ -85,6 +92,26 @@ class WeatherTask:
     def build_model(self) -> nn.Module:
         c = len(self.cfg.channels)
         return ViT(self.model_cfg, tuple(self.cfg.img_size), c, c)
+
+    def rollout_length(self, step: int) -> int:
+        """K predicted steps per training sample at optimizer step `step`: the curriculum (a function of the
+        step, so a resumed run continues it exactly)."""
+        if not self.curriculum:
+            return self.train_horizon
+        return min(self.train_horizon, 1 + step // self.curriculum)
+
+    def training_loss(self, model: nn.Module, criterion: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      step: int) -> torch.Tensor:
+        """One step: criterion(model(x), y). Rollout training (y holds K_max states): the mean of the criterion
+        over the first K predictions, each fed back (in float32) with the graph kept, so the backward runs
+        through the whole rollout; the blocks' activation checkpointing bounds the memory of K forwards."""
+        if self.train_horizon == 1:
+            return criterion(model(x), y)
+        steps, total = self.rollout_length(step), 0.0
+        for k in range(steps):
+            x = model(x).float()
+            total = total + criterion(x, y[:, k])
+        return total / steps
 
     def tokens_per_sample(self) -> int:
         h, w = self.cfg.img_size
