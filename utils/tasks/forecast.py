@@ -102,7 +102,12 @@ class Rollouts:
         path = root / "stats" / "time_means.npy"
         clim = None
         if path.is_file():
-            clim = torch.from_numpy(np.load(path).astype(np.float32))[0, :, :h, :w]
+            means = np.load(path)
+            c = len(dataset.means)
+            require(means.ndim == 4 and means.shape[:2] == (1, c) and means.shape[2] >= h and means.shape[3] >= w,
+                    f"{path} has shape {list(means.shape)}", "data.root",
+                    f"write stats/time_means.npy as [1, {c}, H, W] of the files' grid (or remove it: ACC is then off)")
+            clim = torch.from_numpy(means.astype(np.float32))[0, :, :h, :w]
         return cls([info.path for info in dataset.infos], starts, steps, dataset.dt, (h, w), dataset.means,
                    dataset.stds, clim)
 
