@@ -24,7 +24,9 @@ SLOW_TESTS = {"test_compiled_training_follows_eager", "test_a_nan_on_one_rank_is
               "test_the_forecast_command_reads_a_checkpoint_of_another_layout",
               "test_the_forecast_command_refuses_bad_input_with_one_line",
               "test_rollout_training_follows_the_single_process_curve",
-              "test_rollout_training_resumes_mid_curriculum_exactly", "test_rollout_training_changes_the_loss_from_k_2_on"}
+              "test_rollout_training_resumes_mid_curriculum_exactly", "test_rollout_training_changes_the_loss_from_k_2_on",
+              "test_fine_tuning_starts_from_a_checkpoint_of_another_layout",
+              "test_fine_tuning_from_another_model_or_no_checkpoint_is_one_line"}
 
 
 def pytest_collection_modifyitems(config, items):

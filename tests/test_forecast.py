@@ -255,3 +255,29 @@ def test_rollout_training_changes_the_loss_from_k_2_on(rollout_single, era5_root
     assert [r.value for r in run_entry_ranks(argv, 1)] == [0]
     one_step, rolled = _losses(run_dir), _losses(rollout_single)
     assert one_step[:2] == rolled[:2] and one_step[2] != pytest.approx(rolled[2], rel=1e-3)
+
+
+def test_fine_tuning_starts_from_a_checkpoint_of_another_layout(single, era5_root, tmp_path):
+    """trainer.init_from: the single-process run's weights under tp2 in a new run, at step 0 with a fresh
+    optimizer and schedule: its validation before the first step is the source run's validation at the
+    end (the same weights and data, 1e-5), and a curriculum starts again at K = 1."""
+    step = single / "checkpoints" / "step_0000001"
+    run_dir = tmp_path / "ft"
+    argv = [*ROLLOUT, f"data.root={era5_root}", f"run.dir={run_dir}", "parallel.tp=2", f"trainer.init_from={step}",
+            "trainer.val_at_start=true"]
+    results = run_entry_ranks(argv)
+    assert {r.value for r in results} == {0}, [r.error or r.stderr[-2000:] for r in results]
+    source, tuned = read_scalars(single)["val/loss"], read_scalars(run_dir)["val/loss"]
+    assert tuned[0][0] == 0 and tuned[0][1] == pytest.approx(source[-1][1], rel=1e-5)
+    assert "model weights from" in (run_dir / "train.log").read_text()
+
+
+def test_fine_tuning_from_another_model_or_no_checkpoint_is_one_line(single, era5_root, tmp_path, capsys):
+    code, _, err = run_main("train.py", f"data.root={era5_root}", f"run.dir={tmp_path / 'a'}",
+                            f"trainer.init_from={tmp_path / 'none'}")
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: {tmp_path / 'none'} is not a complete checkpoint (trainer.init_from): give a step_* folder of a "
+        "run's checkpoints/ that holds a COMPLETE marker"]
+    results = run_entry_ranks([*QUIET, f"data.root={era5_root}", f"run.dir={tmp_path / 'b'}", "model.depth=2",
+                               "trainer.max_steps=1", f"trainer.init_from={single / 'checkpoints' / 'step_0000001'}"], 1)
+    assert [r.value for r in results] == [2] and "holds another model" in results[0].stderr

@@ -25,7 +25,9 @@ from distributed.pipeline.stage_plan import PipelinePlan, resolve_plan
 from distributed.pipeline.stages import build_stages, cut_for_rank
 from distributed.rng import seed_default_stream
 from distributed.tensor.parallelize import parallelize
+from utils import require
 from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
+from utils.checkpoints.sharded_state import checkpoint_view, load_state, read_shapes
 from utils.cli.config import Config
 from utils.cli.launch import restart_warning
 from utils.cli.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for, write_layout, write_task
@@ -132,6 +134,8 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
         previous = resume_run_dir(cfg.trainer.resume, run_dir)
         if previous is not None:
             check_resumable(previous, config_yaml)
+        if cfg.trainer.init_from:
+            check_init_from(Path(cfg.trainer.init_from))
         prepare_run_dir(run_dir)
         grid = init_grid(cfg.parallel, sizes)
         log = setup_logging(run_dir, grid.is_main)
@@ -144,6 +148,25 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
         raise
     trainer.stop_request = request
     return trainer
+
+
+def check_init_from(folder: Path) -> None:
+    require(Checkpointer(folder.parent.parent, Grid.serial().world).is_complete(folder),
+            f"{folder} is not a complete checkpoint", "trainer.init_from",
+            "give a step_* folder of a run's checkpoints/ that holds a COMPLETE marker")
+
+
+def init_weights_from(trainer: Trainer, folder: Path) -> None:
+    """Fine-tuning: this rank's model weights from a checkpoint of any layout (resharded by DCP, as a resume)."""
+    view = checkpoint_view(trainer.raw_model, None, trainer.grid, for_load=True)
+    saved = read_shapes(folder)
+    wanted, held = view.global_shapes(), {k: s for k, s in saved.items() if k.startswith("model/")}
+    wrong = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
+    require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
+            f"e.g. {wrong[0] if wrong else ''})", "trainer.init_from", "give a checkpoint of a run of the same model")
+    load_state(view.tensors, folder, trainer.grid.world)
+    view.finish_load()
+    trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
 
 
 def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: Path) -> Trainer:
@@ -166,6 +189,8 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     state = resume_state(cfg.trainer.resume, trainer.checkpointer, trainer.checkpoint_destination, grid.device, log)
     if state is not None:
         trainer.restore(*state)
+    elif cfg.trainer.init_from:
+        init_weights_from(trainer, Path(cfg.trainer.init_from))
     trainer.loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
                                     dp_rank=batch.rank, dp_size=batch.size, seed=cfg.trainer.seed,
                                     start_step=trainer.step, num_workers=cfg.trainer.num_workers,
