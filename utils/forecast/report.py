@@ -26,8 +26,6 @@ from pathlib import Path
 
 from utils import ConfigError, exit_bad_input, require
 
-SKILL_CHANNELS = ("u10m", "t2m", "z500")
-
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="python -m utils.forecast", description=__doc__.split("\n\n")[0])
@@ -101,11 +99,12 @@ def write_outputs(args, result: dict) -> list[Path]:
     import numpy as np
 
     from utils.tasks.figures import field_panels, skill_panels
+    from utils.tasks.weather import HOURS_PER_STEP, SKILL_CHANNELS
 
     task, skill, out = result["task"], result["skill"], args.out
     out.mkdir(parents=True, exist_ok=True)
     channels, dt = task.cfg.channels, task.cfg.dt
-    leads = [(k + 1) * dt * 6 for k in range(args.steps)]
+    leads = [(k + 1) * dt * HOURS_PER_STEP for k in range(args.steps)]
     written = [out / "forecast.h5", out / "metrics.md", out / "metrics.csv"]
     with h5py.File(written[0], "w") as f:
         f.create_dataset("forecast", data=result["forecasts"].numpy().astype(np.float32))
