@@ -68,10 +68,10 @@ def load_run(checkpoint: Path, data_overrides: list[str]):
 def forecast(args) -> dict:
     """Roll the checkpoint's model out and return {skill, forecasts, truths, task}."""
     import contextlib
-    from types import SimpleNamespace
 
     from utils.checkpoints.checkpointer import Checkpointer
     from utils.checkpoints.sharded_state import read_full
+    from utils.cli.config import TrainerConfig
     from utils.comm import Grid
     from utils.tasks.forecast import rollout_skill
 
@@ -81,8 +81,8 @@ def forecast(args) -> dict:
     require(Checkpointer(args.checkpoint.parent.parent, Grid.serial().world).is_complete(args.checkpoint),
             f"{args.checkpoint} is not a complete checkpoint", "CHECKPOINT",
             "give a step_* folder that holds a COMPLETE marker")
-    task = family.task(data_cfg, model_cfg, SimpleNamespace(rollout_every=1, rollout_steps=args.steps,
-                                                            rollout_inits=args.inits))
+    task = family.task(data_cfg, model_cfg, TrainerConfig(rollout_every=1, rollout_steps=args.steps,
+                                                          rollout_inits=args.inits))
     task.load_data()
     model = task.build_model()
     state = {k.partition("/")[2]: v for k, v in read_full(args.checkpoint).items() if k.startswith("model/")}
