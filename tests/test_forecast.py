@@ -175,7 +175,7 @@ def test_the_forecast_command_reads_a_checkpoint_of_another_layout(era5_root, tm
     assert {r.value for r in results} == {0}
     out = tmp_path / "forecast"
     step = run_dir / "checkpoints" / "step_0000001"
-    assert main([str(step), "--steps", "3", "--inits", "4", "--map-leads", "1", "--out", str(out),
+    assert main([str(step), "--steps", "3", "--init", "4", "--map-leads", "1", "--out", str(out),
                  f"data.root={era5_root}"]) == 0
     with h5py.File(out / "forecast.h5") as f:
         assert f["forecast"].shape == f["truth"].shape == (4, 3, 20, 32, 64)
@@ -187,9 +187,13 @@ def test_the_forecast_command_reads_a_checkpoint_of_another_layout(era5_root, tm
     table = {(c, int(h), n): float(r) for c, h, n, r, *_ in (row.split(",") for row in rows[1:])}
     assert table[("u10m", 12, "model")] == pytest.approx(logged["rollout/rmse/u10m/12h"], rel=1e-5)
     assert table[("t2m", 18, "persistence")] == pytest.approx(logged["baseline/persistence/rmse/t2m/18h"], rel=1e-5)
-    assert {p.name for p in out.glob("*.png")} == {f"{k}_{c}.png" for c in ("u10m", "t2m", "z500")
-                                                   for k in ("skill",)} | {f"map_{c}_6h.png" for c in
-                                                                           ("u10m", "t2m", "z500")}
+    channels = ("u10m", "t2m", "z500")
+    assert {p.name for p in out.glob("*.png")} == {f"{kind}_{c}{lead}.png" for c in channels
+                                                   for kind, lead in (("skill", ""), ("map", "_6h"))}
+    at = tmp_path / "at"  # initial times given by their indices in the validation split
+    assert main([str(step), "--steps", "3", "--init", "0,5", "--out", str(at), f"data.root={era5_root}"]) == 0
+    with h5py.File(at / "forecast.h5") as f:
+        assert f["init"][:].tolist() == [[0, 0], [0, 5]] and f["forecast"].shape[:2] == (2, 3)
 
 
 def test_the_forecast_command_refuses_bad_input_with_one_line(era5_root, corpus_root, tmp_path, capsys):
@@ -206,6 +210,14 @@ def test_the_forecast_command_refuses_bad_input_with_one_line(era5_root, corpus_
             main([str(checkpoint), "--out", str(tmp_path / "out")])
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and what in err[0]
+    vit = tmp_path / "vit"
+    assert [r.value for r in run_entry_ranks([*ROLLOUT, f"data.root={era5_root}", f"run.dir={vit}"], 1)] == [0]
+    with pytest.raises(SystemExit) as exit_:  # 1 time left after index 30 of the 32 in the file, 3 needed
+        main([str(vit / "checkpoints" / "step_0000001"), "--steps", "3", "--init", "0,30", "--out",
+              str(tmp_path / "out"), f"data.root={era5_root}"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "error: initial time 30 is 1 times before the end of 2018.h5, a rollout needs 3 (--init): choose an earlier "
+        "initial time or fewer steps"]
 
 
 ROLLOUT_TRAINING = [*QUIET, "trainer.max_steps=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4",

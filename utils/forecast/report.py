@@ -1,10 +1,10 @@
-"""Forecasts of a trained weather model: `python -m utils.forecast CHECKPOINT [--steps 20] [--inits 8] --out DIR`.
+"""Forecasts of a trained weather model: `python -m utils.forecast CHECKPOINT [--steps 20] [--init 8] --out DIR`.
 
 CHECKPOINT is a step_* folder of any layout (read in one process, as export reads it); the run's
 config.yaml beside its checkpoints/ gives the model and the data (`data.root=PATH` and other `data.` settings
-may be given after the options). From `--inits` initial times evenly spaced over the validation split the
-model rolls out `--steps` steps of data.dt (utils/tasks/forecast.py, WeatherBench 2's definitions), and DIR
-receives:
+may be given after the options). From the `--init` initial times (a count, evenly spaced over the
+validation split, or their indices in the split: `--init 0,12,24`) the model rolls out `--steps` steps of
+data.dt (utils/tasks/forecast.py, WeatherBench 2's definitions), and DIR receives:
 
     forecast.h5      `forecast` and `truth` [inits, steps, C, H, W] float32 in physical units, `init` [inits, 2]
                      (file index, time index), attributes `channels`, `lead_hours`, `checkpoint`
@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="python -m utils.forecast", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step_* folder of a run's checkpoints/")
     parser.add_argument("--steps", type=int, default=20, help="autoregressive steps of data.dt (default 20)")
-    parser.add_argument("--inits", type=int, default=8, help="initial times of the validation split (default 8)")
+    parser.add_argument("--init", "--inits", dest="init", default="8",
+                        help="a count of initial times evenly spaced over the validation split (default 8), or their "
+                             "indices in the split, comma-separated (e.g. 0,12,24)")
     parser.add_argument("--map-leads", type=int, nargs="*", default=[1, 4], help="steps whose maps are drawn")
     parser.add_argument("--out", type=Path, required=True, help="folder for the files, tables and figures")
     parser.add_argument("data", nargs="*", help="data.key=value settings over the run's (e.g. data.root=PATH)")
@@ -73,17 +75,23 @@ def forecast(args) -> dict:
     from utils.checkpoints.sharded_state import read_full
     from utils.cli.config import TrainerConfig
     from utils.comm import Grid
-    from utils.tasks.forecast import rollout_skill
+    from utils.tasks.forecast import Rollouts, rollout_skill
 
-    require(args.steps > 0 and args.inits > 0, "--steps and --inits must be positive", "--steps/--inits",
-            "give positive counts")
+    times = None if "," not in args.init and args.init.strip().isdigit() else args.init.split(",")
+    require(all(t.strip().isdigit() for t in (times or [args.init])) and args.steps > 0 and (times or int(args.init)),
+            f"bad --steps {args.steps} or --init {args.init!r}", "--steps/--init",
+            "give a positive step count, and a positive count of initial times or their indices (0,12,24)")
+    count = len(times) if times else int(args.init)
     family, model_cfg, data_cfg = load_run(args.checkpoint, args.data)
     require(Checkpointer(args.checkpoint.parent.parent, Grid.serial().world).is_complete(args.checkpoint),
             f"{args.checkpoint} is not a complete checkpoint", "CHECKPOINT",
             "give a step_* folder that holds a COMPLETE marker")
     task = family.task(data_cfg, model_cfg, TrainerConfig(rollout_every=1, rollout_steps=args.steps,
-                                                          rollout_inits=args.inits))
+                                                          rollout_inits=count))
     task.load_data()
+    if times:
+        root = task.val_set.infos[0].path.parent.parent  # the data folder (the synthetic cache included)
+        task.rollouts = Rollouts.of(task.val_set, root, args.steps, count, [int(t) for t in times], "--init")
     model = task.build_model()
     state = {k.partition("/")[2]: v for k, v in read_full(args.checkpoint).items() if k.startswith("model/")}
     model.load_state_dict(state)
@@ -142,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         exit_bad_input(err)
     skill = result["skill"]["model"]
-    print(f"wrote {len(written)} files to {args.out}: {args.inits} rollouts of {args.steps} steps; "
+    rollouts = len(result["task"].rollouts.starts)
+    print(f"wrote {len(written)} files to {args.out}: {rollouts} rollouts of {args.steps} steps; "
           f"{result['task'].cfg.channels[0]} RMSE {float(skill['rmse'][0, 0]):.4g} at the first lead, "
           f"{float(skill['rmse'][-1, 0]):.4g} at the last")
     return 0

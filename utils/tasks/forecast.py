@@ -33,7 +33,7 @@ import torch
 
 from distributed.collectives import all_reduce_
 from distributed.pipeline.schedule import from_last_stage
-from utils import require
+from utils import ConfigError, require
 from utils.comm import Grid
 
 METRICS = ("rmse", "acc", "bias")
@@ -88,16 +88,37 @@ class Rollouts:
     climatology: torch.Tensor | None  # (C, H, W) physical, or None without stats/time_means.npy
 
     @classmethod
-    def of(cls, dataset, root: Path, steps: int, count: int) -> Rollouts:
-        """`count` initial times of `dataset`'s files (an ERA5Dataset), each followed by `steps` x dt times."""
+    def of(cls, dataset, root: Path, steps: int, count: int, times: list[int] | None = None,
+           setting: str = "trainer.rollout_inits") -> Rollouts:
+        """`count` initial times of `dataset`'s files (an ERA5Dataset), each followed by `steps` x dt times;
+        or the given `times`: indices of the split's times, counted over its files in order."""
         span = steps * dataset.dt
         usable = [(i, t) for i, info in enumerate(dataset.infos) for t in range(info.num_times - span)]
+        if times is not None:
+            return cls._at(dataset, root, steps, [cls._locate(dataset, t, span, setting) for t in times])
         longest = max(info.num_times for info in dataset.infos)
         require(len(usable) >= count, f"a rollout of {steps} steps of dt={dataset.dt} needs {span + 1} times after "
                 f"each of {count} initial times, and the validation files hold {len(usable)} such starts (files of "
                 f"at most {longest} times)", "trainer.rollout_steps",
                 f"use trainer.rollout_steps <= {max(0, (longest - 1) // dataset.dt)} or fewer trainer.rollout_inits")
-        starts = [usable[k * len(usable) // count] for k in range(count)]
+        return cls._at(dataset, root, steps, [usable[k * len(usable) // count] for k in range(count)])
+
+    @staticmethod
+    def _locate(dataset, time: int, span: int, setting: str) -> tuple[int, int]:
+        """(file index, time index) of the split's time `time`, checked to have `span` times after it."""
+        first = 0
+        for i, info in enumerate(dataset.infos):
+            if first <= time < first + info.num_times:
+                left = info.num_times - 1 - (time - first)
+                require(left >= span, f"initial time {time} is {left} times before the end of {info.path.name}, "
+                        f"a rollout needs {span}", setting, "choose an earlier initial time or fewer steps")
+                return i, time - first
+            first += info.num_times
+        raise ConfigError(f"initial time {time} is outside the split's {first} times", setting,
+                          f"give times from 0 to {first - 1}")
+
+    @classmethod
+    def _at(cls, dataset, root: Path, steps: int, starts: list[tuple[int, int]]) -> Rollouts:
         h, w = dataset.img_size
         path = root / "stats" / "time_means.npy"
         clim = None
