@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,49 +44,90 @@ class ScaledDotProductAttention(nn.Module):
         self.causal, self.dropout = causal, dropout
 
     def forward(self, q, k, v):
+        """k and v may hold fewer heads than q (grouped-query attention: query head i reads kv head i // r)."""
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
-def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0, offset: int = 0):
-    """cos/sin tables (N, head_dim/2) for rotary position embedding (RoFormer, Su et al. 2021)."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    pos = torch.arange(offset, offset + seq_len, dtype=torch.float32)
-    angles = torch.outer(pos, inv_freq)
-    return angles.cos(), angles.sin()
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary position embedding (RoFormer, Su et al. 2021) for up to `positions` positions.
+
+    Frequencies base^(-2i/head_dim), i < head_dim/2. `scaling` (Llama 3.1's long-context rule): (factor,
+    low_freq_factor, high_freq_factor, original_positions); wavelengths longer than original/low are divided
+    by `factor`, shorter than original/high kept, the band between interpolated smoothly.
+    """
+
+    positions: int
+    base: float = 10000.0
+    scaling: tuple[float, float, float, int] | None = None
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """Angular frequency per rotated pair (head_dim/2,), float32."""
+        inv_freq = 1.0 / self.base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        if self.scaling is None:
+            return inv_freq
+        factor, low, high, original = self.scaling
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)  # 0 at wavelength original/low, 1 at original/high
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        between = (wavelen <= original / low) & (wavelen >= original / high)
+        return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+    def tables(self, head_dim: int, seq_len: int | None = None, offset: int = 0):
+        """cos/sin tables (N, head_dim/2) of positions offset .. offset+N-1 (N = `positions` by default)."""
+        seq_len = self.positions if seq_len is None else seq_len
+        pos = torch.arange(offset, offset + seq_len, dtype=torch.float32)
+        angles = torch.outer(pos, self.inv_freq(head_dim))
+        return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of (B, h, N, d) by position-dependent angles."""
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of (B, h, N, d) by position-dependent angles (the
+    'rotate half' pairing of GPT-NeoX and of Hugging Face's Llama)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with one fused QKV projection and an output projection."""
+    """Multi-head self-attention with one fused QKV projection and an output projection; grouped-query
+    attention (GQA, Ainslie et al. 2023) when `num_kv_heads` < `num_heads`.
+
+    The fused projection's output features are ordered (kv group, [the group's q heads, k, v], head_dim):
+    group g holds query heads g*r .. g*r+r-1 (r = num_heads / num_kv_heads) and key/value head g, so a
+    contiguous split over tensor-parallel ranks gives each rank whole groups. With num_kv_heads = num_heads
+    that is (head, {q, k, v}, head_dim). `q_per_group` is the query heads of each group this module
+    computes: r, or fewer when tensor parallelism splits a group's queries over ranks that each keep its
+    key/value head (distributed/tensor/parallelize.py).
+    """
 
     def __init__(self, dim: int, num_heads: int, causal: bool = False, dropout: float = 0.0,
-                 bias: bool = True, rotary_positions: int = 0):
-        """`rotary_positions` > 0: rotary position embedding for up to that many positions (tables are
-        computed once, as buffers that follow the module's device)."""
+                 bias: bool = True, rotary: Rotary | None = None, num_kv_heads: int | None = None):
+        """`rotary`: rotary position embedding (tables computed once, as buffers that follow the module's
+        device); None for none."""
         super().__init__()
-        assert dim % num_heads == 0
-        self.num_heads, self.head_dim = num_heads, dim // num_heads  # num_heads: of the serial module
-        self.rotary = rotary_positions > 0
+        num_kv_heads = num_kv_heads or num_heads
+        assert dim % num_heads == 0 and num_heads % num_kv_heads == 0
+        self.num_heads, self.head_dim = num_heads, dim // num_heads  # of the serial module
+        self.num_kv_heads = num_kv_heads
+        self.q_per_group = num_heads // num_kv_heads
+        self.rotary = rotary is not None
         if self.rotary:
-            cos, sin = rotary_tables(rotary_positions, self.head_dim)
+            cos, sin = rotary.tables(self.head_dim)
             self.register_buffer("rotary_cos", cos, persistent=False)  # (max_positions, head_dim/2)
             self.register_buffer("rotary_sin", sin, persistent=False)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.qkv = nn.Linear(dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)
         self.attend = ScaledDotProductAttention(causal, dropout)
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.positions = None  # context parallelism: the token layout (see the module docstring)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, N, heads_local * 3 * head_dim)
-        qkv = qkv.unflatten(-1, (-1, 3, self.head_dim)).permute(3, 0, 2, 1, 4)  # (3, B, h, N, hd)
-        q, k, v = qkv.unbind(0)
+        r = self.q_per_group
+        qkv = self.qkv(x).unflatten(-1, (-1, r + 2, self.head_dim))  # (B, N, groups_local, r + 2, hd)
+        q = qkv[..., :r, :].flatten(2, 3).transpose(1, 2)  # (B, groups_local * r, N, hd)
+        k, v = (qkv[..., i, :].transpose(1, 2) for i in (r, r + 1))  # (B, groups_local, N, hd)
         if self.rotary:
             index = slice(0, q.shape[-2]) if self.positions is None else self.positions.local_positions
             cos, sin = self.rotary_cos[index], self.rotary_sin[index]  # (N, head_dim/2)
@@ -108,17 +150,52 @@ class MLP(nn.Module):
         return self.drop(self.fc2(self.act(self.fc1(x))))
 
 
+class SwiGLU(nn.Module):
+    """Gated MLP (Shazeer 2020; Llama): fc2(silu(gate(x)) * up(x)), hidden units `hidden`.
+
+    `fc1` is the gate and up projections fused, their output features interleaved (hidden unit, {gate, up}):
+    a contiguous split over tensor-parallel ranks (tp dividing `hidden`) gives each rank matching gate and up
+    rows, so it has the same column/row pair, names and communication as `MLP`.
+    """
+
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, bias: bool = False):
+        super().__init__()
+        self.hidden = hidden
+        self.fc1 = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, dim, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        gate, up = self.fc1(x).unflatten(-1, (-1, 2)).unbind(-1)  # (B, N, hidden_local) each
+        return self.drop(self.fc2(F.silu(gate) * up))
+
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+
+
+def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:
+    """LayerNorm (with bias) or RMSNorm (Zhang and Sennrich 2019; Llama), weight only."""
+    return nn.LayerNorm(dim, eps=eps) if kind == "layernorm" else nn.RMSNorm(dim, eps=eps)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    GPT-2 and the ViT: LayerNorm, GELU MLP with biases; Llama: RMSNorm, SwiGLU, no biases, grouped K/V.
+    """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, causal: bool = False,
-                 dropout: float = 0.0, bias: bool = True, rotary_positions: int = 0):
+                 dropout: float = 0.0, bias: bool = True, rotary: Rotary | None = None, *,
+                 num_kv_heads: int | None = None, norm: str = "layernorm", mlp: str = "gelu",
+                 mlp_hidden: int | None = None, norm_eps: float = 1e-5):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads, causal, dropout, bias, rotary_positions)
+        hidden = mlp_hidden or int(dim * mlp_ratio)
+        self.norm1 = make_norm(norm, dim, norm_eps)
+        self.attn = Attention(dim, num_heads, causal, dropout, bias, rotary, num_kv_heads)
         self.drop = nn.Dropout(dropout)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, int(dim * mlp_ratio), dropout, bias)
+        self.norm2 = make_norm(norm, dim, norm_eps)
+        self.mlp = MLP(dim, hidden, dropout, bias) if mlp == "gelu" else SwiGLU(dim, hidden, dropout, bias)
 
     def forward(self, x):
         x = x + self.drop(self.attn(self.norm1(x)))
@@ -138,5 +215,7 @@ def init_weights(module: nn.Module, std: float = 0.02, num_layers: int = 1, resi
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.RMSNorm):
+            nn.init.ones_(m.weight)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=std)

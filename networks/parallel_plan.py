@@ -28,11 +28,18 @@ from utils import ConfigError
 class AttentionModule(Protocol):
     """What parallelism needs of a declared attention module (`networks.blocks.Attention` is one).
 
-    Its fused QKV projection (declared column-parallel) orders its output features (head, {q,k,v},
-    head_dim), so a contiguous split over tp gives each rank whole heads.
+    Its fused QKV projection `qkv` (declared column-parallel) orders its output features (kv group,
+    [the group's q heads, k, v], head_dim), so a contiguous split over tp gives each rank whole groups
+    when tp divides the groups; with more tp ranks than groups, tensor parallelism gives each rank its
+    query heads and its group's key/value head (`GroupedQKVParallelLinear`) and lowers `q_per_group`.
     """
 
     num_heads: int  # heads of the serial module; tp must divide it
+    # Grouped-query attention only (multi-head attention may leave them out):
+    num_kv_heads: int  # key/value heads (groups) of the serial module
+    q_per_group: int  # query heads per group that this module computes
+    head_dim: int
+    qkv: nn.Module
     attend: nn.Module  # the core on (B, h, N, head_dim) q, k, v, with `causal` and `dropout`: cp swaps it
     positions: object  # None, or (cp) the token layout whose `local_positions` rotary embeddings read
 

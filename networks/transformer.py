@@ -1,13 +1,18 @@
-"""The decoder-only language model (GPT): token ids (B, S) -> next-token logits (B, S, V_padded).
+"""The decoder-only language model: token ids (B, S) -> next-token logits (B, S, V_padded).
 
 Token embedding (+ learned position embedding, or rotary inside attention) -> pre-norm causal blocks
--> final LayerNorm -> linear head over the padded vocabulary (optionally tied to the embedding).
+-> final norm -> linear head over the padded vocabulary (optionally tied to the embedding).
+One definition for the family; GPT-2 and Llama are two configurations of it (`model=gpt_*`: LayerNorm,
+GELU MLP, biases, learned positions, tied head; `model=llama_*` (`LlamaConfig`): RMSNorm, SwiGLU, no
+biases, rotary positions with a configurable base and Llama 3.1's frequency scaling, grouped-query
+attention, untied head). The weights map one to one onto Hugging Face's GPT2LMHeadModel and
+LlamaForCausalLM (utils/checkpoints/hf.py).
 Built from `networks.blocks.Block`; `parallel_plan()` declares the parts that `distributed.tensor.parallelize`
 and `distributed.context.parallelize` swap. The attributes (the trainer, pipeline and decoding read them):
 
     tok_embed  nn.Embedding(V_padded, D)           pos_embed  nn.Embedding(max_positions, D) | None
     enter_seq  SequenceRegion('enter') after the embeddings (the sequence is split from here on)
-    blocks     nn.ModuleList[Block(causal=True)]   norm       nn.LayerNorm(D)
+    blocks     nn.ModuleList[Block(causal=True)]   norm       nn.LayerNorm(D) | nn.RMSNorm(D)
     lm_head    nn.Linear(D, V_padded, bias=False)  (weight is tok_embed.weight when tied)
     criterion  CausalLMLoss, with `num_valid_vocab` (columns >= it are padding and never count)
 
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from networks.blocks import Block, SequenceRegion, init_weights
+from networks.blocks import MLPS, NORMS, Block, Rotary, SequenceRegion, init_weights, make_norm
 from networks.parallel_plan import BLOCK, ParallelPlan
 from utils import require
 
@@ -39,7 +44,8 @@ POSITIONS = ("learned", "rotary")
 
 @dataclass
 class GPTConfig:
-    """Schema of `model=gpt_*`. The vocabulary size comes from the data (tokenizer).
+    """Schema of `model=gpt_*` (and, with other defaults, `LlamaConfig`). The vocabulary size comes from the
+    data (tokenizer).
 
     Choices are plain `str` fields (OmegaConf structured configs do not support Literal) checked here.
     """
@@ -48,33 +54,100 @@ class GPTConfig:
     embed_dim: int = 128  # width of the residual stream (hidden size D)
     depth: int = 4  # number of transformer blocks
     num_heads: int = 4  # attention heads; must divide embed_dim (and be divisible by parallel.tp)
-    mlp_ratio: float = 4.0  # MLP hidden = mlp_ratio * embed_dim
+    num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: num_heads (multi-head attention)
+    mlp: str = "gelu"  # gelu | swiglu: GPT-2's two-layer GELU MLP, or Llama's gated SiLU MLP
+    mlp_ratio: float = 4.0  # MLP hidden = mlp_ratio * embed_dim (unless mlp_hidden is set)
+    mlp_hidden: int = 0  # MLP hidden units; 0: mlp_ratio * embed_dim
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5  # the norms' epsilon (GPT-2 and Llama 3: 1e-5)
+    bias: bool = True  # biases in the blocks' linears (GPT-2: yes; Llama: no)
     dropout: float = 0.0  # dropout probability (0 keeps every layout bitwise comparable)
     max_positions: int = 256  # longest sequence in tokens the model accepts (data.seq_len <= this)
     positions: str = "learned"  # learned | rotary: a learned position table (GPT-2) or rotary in attention
+    rope_base: float = 10000.0  # rotary frequency base (theta; Llama 3: 500000)
+    rope_scaling_factor: float = 0.0  # Llama 3.1 frequency scaling: 0 off, else the factor (Llama 3.2: 32)
+    rope_low_freq_factor: float = 1.0  # the scaling's low-frequency factor
+    rope_high_freq_factor: float = 4.0  # the scaling's high-frequency factor
+    rope_original_positions: int = 8192  # the context length the scaling starts from
     tie_embeddings: bool = True  # share the output head's weight with the token embedding (GPT-2)
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (e.g. 64: tp up to 64 ranks)
     init_std: float = 0.02  # std of the weight initialization (GPT-2: 0.02)
 
+    ARCH = "gpt"  # the tag this schema accepts (a class attribute, not a setting)
+
     def __post_init__(self):
-        require(self.arch == "gpt", f"arch {self.arch!r} is not gpt", "model.arch", "leave arch as set by the preset")
+        require(self.arch == self.ARCH, f"arch {self.arch!r} is not {self.ARCH}", "model.arch",
+                "leave arch as set by the preset")
         for name in ("embed_dim", "depth", "num_heads", "max_positions", "vocab_multiple"):
             require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}",
                     f"model.{name}", "set a positive integer")
         require(self.embed_dim % self.num_heads == 0,
                 f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}",
                 "model.embed_dim", "choose embed_dim a multiple of model.num_heads")
+        require(self.num_kv_heads >= 0 and self.num_heads % self.kv_heads == 0,
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}",
+                "model.num_kv_heads", "choose a divisor of model.num_heads (0: as many as num_heads)")
         require(self.mlp_ratio > 0, f"mlp_ratio must be positive, got {self.mlp_ratio}", "model.mlp_ratio",
                 "set a positive ratio, e.g. 4")
+        require(self.mlp_hidden >= 0, f"mlp_hidden must be >= 0, got {self.mlp_hidden}", "model.mlp_hidden",
+                "set 0 (mlp_ratio x embed_dim) or a positive number of units")
+        for name, choices in (("mlp", MLPS), ("norm", NORMS), ("positions", POSITIONS)):
+            require(getattr(self, name) in choices, f"unknown {name} {getattr(self, name)!r}", f"model.{name}",
+                    f"choose one of {', '.join(choices)}")
+        require(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}", "model.norm_eps",
+                "set e.g. 1e-5")
         require(0.0 <= self.dropout < 1.0, f"dropout {self.dropout} outside [0, 1)", "model.dropout",
                 "set 0 <= dropout < 1")
-        require(self.positions in POSITIONS, f"unknown positions {self.positions!r}", "model.positions",
-                f"choose one of {', '.join(POSITIONS)}")
         require(self.positions != "rotary" or (self.embed_dim // self.num_heads) % 2 == 0,
                 f"rotary positions need an even head_dim, got {self.embed_dim // self.num_heads}",
                 "model.positions", "use positions=learned or an embed_dim/num_heads that is even")
+        require(self.rope_base > 1, f"rope_base must be > 1, got {self.rope_base}", "model.rope_base",
+                "set e.g. 10000 (GPT-NeoX) or 500000 (Llama 3)")
+        require(self.rope_scaling_factor == 0 or (self.rope_scaling_factor >= 1
+                and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor and self.rope_original_positions > 0),
+                f"rope scaling factor {self.rope_scaling_factor}, low/high frequency factors {self.rope_low_freq_factor}"
+                f"/{self.rope_high_freq_factor}, original positions {self.rope_original_positions}",
+                "model.rope_scaling_factor", "set 0 (off), or a factor >= 1 with 0 < low < high frequency factors")
         require(self.init_std > 0, f"init_std must be positive, got {self.init_std}", "model.init_std",
                 "set a positive std, e.g. 0.02")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (num_heads for multi-head attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def hidden(self) -> int:
+        """MLP hidden units."""
+        return self.mlp_hidden or int(self.embed_dim * self.mlp_ratio)
+
+    def rotary(self) -> Rotary | None:
+        """The rotary embedding these settings ask for (None with learned positions)."""
+        if self.positions != "rotary":
+            return None
+        scaling = None if not self.rope_scaling_factor else (
+            self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+            self.rope_original_positions)
+        return Rotary(self.max_positions, self.rope_base, scaling)
+
+
+@dataclass
+class LlamaConfig(GPTConfig):
+    """Schema of `model=llama_*`: the same decoder with Llama's choices as defaults (RMSNorm, SwiGLU, no
+    biases, rotary with base 500000, untied head). Llama 3.2 1B: embed_dim 2048, depth 16, 32 heads, 8 kv
+    heads, mlp_hidden 8192, tied, rope scaling factor 32; Llama 3.1 8B: 4096, 32, 32, 8, 14336, untied, 8."""
+
+    arch: str = "llama"
+    num_kv_heads: int = 2
+    mlp: str = "swiglu"
+    mlp_hidden: int = 344
+    norm: str = "rmsnorm"
+    bias: bool = False
+    positions: str = "rotary"
+    rope_base: float = 500000.0
+    tie_embeddings: bool = False
+
+    ARCH = "llama"
 
 
 def padded_vocab_size(vocab: int, multiple: int) -> int:
@@ -125,11 +198,11 @@ class GPT(nn.Module):
         self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.positions == "learned" else None
         self.embed_drop = nn.Dropout(cfg.dropout)
         self.enter_seq = SequenceRegion("enter")
-        rotary = cfg.max_positions if cfg.positions == "rotary" else 0
         self.blocks = nn.ModuleList(
-            Block(d, cfg.num_heads, cfg.mlp_ratio, causal=True, dropout=cfg.dropout, rotary_positions=rotary)
+            Block(d, cfg.num_heads, causal=True, dropout=cfg.dropout, bias=cfg.bias, rotary=cfg.rotary(),
+                  num_kv_heads=cfg.kv_heads, norm=cfg.norm, mlp=cfg.mlp, mlp_hidden=cfg.hidden, norm_eps=cfg.norm_eps)
             for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(d)
+        self.norm = make_norm(cfg.norm, d, cfg.norm_eps)
         self.lm_head = skip_init(nn.Linear, d, self.padded_vocab, bias=False, device=device)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight

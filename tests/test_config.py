@@ -43,7 +43,8 @@ def test_short_limits_samples():
 def test_every_preset_composes():
     """Every preset composes with the defaults, or with the data and heads its rules between groups need."""
     needs = {"model=gpt_tiny": ["data=wikitext_sample"], "model=gpt_small": ["data=wikitext_sample"],
-             "model=gpt_medium": ["data=wikitext_sample"], "parallel=tp8": ["model.num_heads=8"]}
+             "model=gpt_medium": ["data=wikitext_sample"], "parallel=tp8": ["model.num_heads=8"],
+             **{f"model=llama_{size}": ["data=wikitext_sample"] for size in ("tiny", "1b", "8b")}}
     for group in ("model", "precision", "parallel", "optim", "experiment"):
         for name in presets(group):
             load_config([f"{group}={name}", *needs.get(f"{group}={name}", [])])

@@ -33,6 +33,7 @@ GPT = [*TINY_GPT, "data.limit_eval_tokens=4096", "trainer.global_batch_size=8"] 
 LAYOUTS = {
     "dp2": ["parallel.dp=2"],
     "tp2": ["parallel=tp2"],
+    "tp4": ["parallel=tp4"],  # Llama: 2 key/value heads over 4 ranks, each keeping its queries' group
     "tp2dp2": ["parallel=tp2", "parallel.dp=2"],
     "dp2_accum2": ["parallel.dp=2", "trainer.grad_accum_steps=2"],  # no dp sync before the last micro-batch
     "fsdp_dp2": ["parallel.dp=2", "parallel.dp_mode=fsdp"],  # FSDP2 from the first step (more under resumes below)
@@ -56,6 +57,10 @@ LAYOUTS = {
 VIT_LAYOUTS = ["dp2", "dp2_accum2", "fsdp_dp2", "fsdp_tp2dp2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
                "pp2_1f1b", "pp2_interleaved"]
 GPT_LAYOUTS = ["dp2", "tp2", "cp2", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2", "pp2cp2"]
+# Llama (RMSNorm, SwiGLU, rotary, 4 query heads over 2 key/value heads, untied head): key/value heads split
+# (tp2), kept whole per group (tp4), grouped K/V around the ring (cp2) and gathered (tp2cp2), stages, FSDP.
+LLAMA = ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=4096", "trainer.global_batch_size=8"]
+LLAMA_LAYOUTS = ["tp2", "tp4", "cp2", "tp2cp2_allgather", "pp2tp2", "fsdp_dp2"]
 
 
 def curves(run_dir):
@@ -273,6 +278,27 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
         params = sum(p.numel() for p in build_task(cfg).build_model().parameters())
         block = 8 * cfg.model.embed_dim * (cfg.data.seq_len // 2) * 4  # one rank's K (or V): B x D x S/cp, fp32
         ring = (2 * (2 - 1) + (4 * 2 - 2)) * block  # forward (cp-1) x 2 blocks, backward (4cp-2) blocks
+        want = cfg.model.depth * ring + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
+        assert [v for _, v in read_scalars(run_dir)["comm/cp_bytes"]] == [want] * STEPS
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory, corpus_root):
+    tmp = tmp_path_factory.mktemp("llama")
+    return curves(run_layout(tmp, "single", LLAMA, f"data.root={corpus_root}")), tmp
+
+
+@pytest.mark.parametrize("layout", LLAMA_LAYOUTS)
+def test_llama_layouts_follow_the_single_process_curve(layout, llama_reference, corpus_root):
+    reference, tmp = llama_reference
+    run_dir = run_layout(tmp, layout, LLAMA, f"data.root={corpus_root}", *LAYOUTS[layout])
+    assert_same_curve(reference, curves(run_dir))
+    if layout == "cp2":  # exact: the ring moves the grouped K/V (2 of 4 heads), not copies per query head
+        cfg, _, _ = load_config([*LLAMA, f"data.root={corpus_root}"])
+        params = sum(p.numel() for p in build_task(cfg).build_model().parameters())
+        head_dim = cfg.model.embed_dim // cfg.model.num_heads
+        block = 8 * cfg.model.num_kv_heads * head_dim * (cfg.data.seq_len // 2) * 4  # one rank's K (or V), fp32
+        ring = (2 * (2 - 1) + (4 * 2 - 2)) * block
         want = cfg.model.depth * ring + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
         assert [v for _, v in read_scalars(run_dir)["comm/cp_bytes"]] == [want] * STEPS
 

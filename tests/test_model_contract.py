@@ -182,10 +182,21 @@ def _matches_serial(model: nn.Module, grid, cp: bool, sp: bool = True) -> None:
     _compare_grads(model, parallel, grid.axis("tp"))
 
 
-def _rmsnorm_vit() -> ViT:
+class ScaleNorm(nn.Module):
+    """A per-token norm of a class without a sequence-parallel version (Nguyen and Salazar 2019)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight / x.norm(dim=-1, keepdim=True)
+
+
+def _norm_vit(kind: type[nn.Module]) -> ViT:
     model = vit()
     for block in model.blocks:
-        block.norm1 = nn.RMSNorm(EMBED).double()  # declared (BLOCK's norms), without a sequence-parallel version
+        block.norm1 = kind(EMBED).double()  # declared (BLOCK's norms)
     return model
 
 
@@ -198,9 +209,10 @@ def _contract_checks(rank: int, world_size: int) -> None:
         _refused(vit(ExtraHeadViT), grid, cp, True, "extra_head (Linear)")
         _matches_serial(renamed_vit(), grid, cp)
     tp = init_grid(ParallelConfig(tp=2))
-    with pytest.raises(ConfigError, match=r"^blocks\.0\.norm1 is a RMSNorm, which has no sequence-parallel version"):
-        parallelize(_rmsnorm_vit(), grid=tp, sequence_parallel=True)
-    _matches_serial(_rmsnorm_vit(), tp, cp=False, sp=False)  # a serial norm on whole sequences: accepted
+    with pytest.raises(ConfigError, match=r"^blocks\.0\.norm1 is a ScaleNorm, which has no sequence-parallel version"):
+        parallelize(_norm_vit(ScaleNorm), grid=tp, sequence_parallel=True)
+    _matches_serial(_norm_vit(ScaleNorm), tp, cp=False, sp=False)  # a serial norm on whole sequences: accepted
+    _matches_serial(_norm_vit(nn.RMSNorm), tp, cp=False, sp=True)  # Llama's norm on sequence shards
 
 
 def test_undeclared_layers_are_refused_and_declared_ones_parallelized(tmp_path):

@@ -163,9 +163,9 @@ def test_rotary_needs_even_head_dim():
 
 
 def test_rotary_scores_depend_only_on_relative_position():
-    from networks.blocks import Attention, apply_rotary
+    from networks.blocks import Attention, Rotary, apply_rotary
 
-    attn = Attention(16, 2, causal=True, rotary_positions=32)
+    attn = Attention(16, 2, causal=True, rotary=Rotary(32))
     q, k = torch.randn(8), torch.randn(8)
 
     def score(m, n):

@@ -1,7 +1,8 @@
 """Attention over a sequence split across the cp ranks: the two variants of `parallel.cp_attention`.
 
 Each rank holds the queries, keys and values of its own tokens, (B, h, N_local, d) (h = the heads of
-this tp rank), in the layout of `distributed/context/layout.py`.
+this tp rank; keys and values may have h/r heads, grouped-query attention), in the layout of
+`distributed/context/layout.py`. Both variants move the grouped K/V, never copies per query head.
 
 - `allgather` (the NERSC seed's semantics): forward all-gathers K and V over cp (`all_gather_region`:
   backward reduce-scatters their gradients) and runs SDPA of the local queries against the full
@@ -59,7 +60,8 @@ class ContextParallelAttention(nn.Module):
         if self.causal:  # query i sees key j iff pos(i) >= pos(j); keys are in rank order
             mask = shards.local_positions[:, None] >= torch.cat(shards.positions)[None, :]
         p = self.dropout if self.training else 0.0  # on a stream per shard: parallelize_context wraps it
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=p)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=p,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
     def extra_repr(self) -> str:
         return f"cp={self.shards.axis.size}, causal={self.causal}, variant={self.variant}"

@@ -37,7 +37,13 @@ the input dtype and G(j) the same two blocks in the accumulation dtype (= KV(j) 
                                   even shards, fp32/fp64: (cp-1) x 2 + cp x 2 = (4cp-2) x block bytes
 where block bytes = B * h * n * d * element size of one K (or V) block. A size-1 axis sends nothing
 and computes the same blocks serially (cp=1 equals scaled_dot_product_attention). Not supported:
-attention dropout, a custom scale (1/sqrt(d) as SDPA's default), grouped K/V heads.
+attention dropout, a custom scale (1/sqrt(d) as SDPA's default).
+
+Grouped K/V (grouped-query attention: k and v with h/r heads, query head i reading kv head i // r): the
+r query heads of a group are folded into one query sequence of r x n_r rows, (B, h/r, r x n_r, d),
+and each block's mask repeated r times down its rows; the blocks, the LSE and the gradient sums then
+run unchanged against the h/r-head K/V, which is what travels (r times fewer bytes than expanded K/V),
+and dK/dV come out summed over the group's queries.
 """
 
 from __future__ import annotations
@@ -91,8 +97,9 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 def _block_mask(positions: list[torch.Tensor] | None, bounds: list[tuple[int, int] | None], q_rank: int,
-                k_rank: int) -> tuple[bool, torch.Tensor | None]:
-    """(whether any query of `q_rank` sees any key of `k_rank`, the mask or None when all pairs do)."""
+                k_rank: int, group: int = 1) -> tuple[bool, torch.Tensor | None]:
+    """(whether any query of `q_rank` sees any key of `k_rank`, the mask or None when all pairs do); the
+    mask's rows repeated `group` times (the folded query heads of a key/value group)."""
     if bounds[q_rank] is None or bounds[k_rank] is None:  # an empty shard
         return False, None
     (q_min, q_max), (k_min, k_max) = bounds[q_rank], bounds[k_rank]
@@ -100,7 +107,7 @@ def _block_mask(positions: list[torch.Tensor] | None, bounds: list[tuple[int, in
         return False, None
     if q_min >= k_max:
         return True, None
-    return True, positions[q_rank][:, None] >= positions[k_rank][None, :]
+    return True, (positions[q_rank][:, None] >= positions[k_rank][None, :]).repeat(group, 1)
 
 
 def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -128,7 +135,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
-                positions: list[torch.Tensor] | None, bounds: list[tuple[int, int] | None]) -> torch.Tensor:
+                positions: list[torch.Tensor] | None, bounds: list[tuple[int, int] | None], group: int) -> torch.Tensor:
         cp, rank, scale = axis.size, axis.rank, q.shape[-1] ** -0.5
         positions = None if positions is None else [p.to(q.device) for p in positions]
         dtype = compute_dtype(q.dtype)
@@ -142,14 +149,14 @@ class _RingAttention(torch.autograd.Function):
             for step in range(cp):
                 if step < cp - 1:  # start the next block's transfer, then compute on this one
                     arriving = ring_shift(kv, axis, _shapes(k, v, sizes[(rank - step - 1) % cp]), KV_TAG)
-                visible, mask = _block_mask(positions, bounds, rank, (rank - step) % cp)
+                visible, mask = _block_mask(positions, bounds, rank, (rank - step) % cp, group)
                 if visible:
                     out, lse = merge(out, lse, *block_attention(q, kv[0], kv[1], mask, scale))
                 if step < cp - 1:
                     kv = arriving()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.axis, ctx.sizes, ctx.positions, ctx.bounds, ctx.scale = axis, sizes, positions, bounds, scale
+        ctx.axis, ctx.sizes, ctx.positions, ctx.bounds, ctx.scale, ctx.group = axis, sizes, positions, bounds, scale, group
         return out
 
     @staticmethod
@@ -166,7 +173,7 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv_arriving = ring_shift(kv, ctx.axis, _shapes(k, v, ctx.sizes[upstream]), KV_TAG)
             dk, dv = (t.new_zeros(t.shape, dtype=dtype) for t in kv)
-            visible, mask = _block_mask(ctx.positions, ctx.bounds, rank, source)
+            visible, mask = _block_mask(ctx.positions, ctx.bounds, rank, source, ctx.group)
             if visible:
                 dq_part, dk, dv = _block_backward(q_c, kv[0], kv[1], dout, delta, lse, mask, ctx.scale)
                 dq += dq_part
@@ -177,7 +184,7 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv = kv_arriving()
         dk, dv = grads_arriving()  # this rank's own block, summed over every rank's queries
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def position_bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> list[tuple[int, int] | None]:
@@ -195,7 +202,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis
                    bounds: list[tuple[int, int] | None] | None = None) -> torch.Tensor:
     """Exact softmax attention (scale 1/sqrt(d)) of this rank's queries to the keys of every cp rank.
 
-    q, k, v: this rank's shards (B, h, n_r, d), n_r = sizes[axis.rank]. `positions`: None for
+    q, k, v: this rank's shards (B, h, n_r, d), n_r = sizes[axis.rank] (k and v may have h/r heads:
+    grouped-query attention, query head i reading kv head i // r). `positions`: None for
     non-causal attention, else the global positions of each rank's tokens (causal: query i sees key j
     iff pos_q[i] >= pos_k[j]). `bounds`: `position_bounds(positions, sizes)` when the caller keeps them
     (computed here otherwise: on a GPU that reads the positions back, a sync). Returns (B, h, n_r, d) in
@@ -205,4 +213,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis
         f"sizes {sizes} do not match the local length {q.shape[-2]} on rank {axis.rank} of {axis.name}"
     assert positions is None or [p.numel() for p in positions] == list(sizes), "positions do not match sizes"
     bounds = bounds if bounds is not None else position_bounds(positions, sizes)
-    return _RingAttention.apply(q, k, v, axis, list(sizes), positions, bounds)
+    batch, heads, n, d = q.shape
+    group = heads // k.shape[1]
+    assert k.shape[1] * group == heads, f"{heads} query heads cannot read {k.shape[1]} key/value heads"
+    q = q.unflatten(1, (k.shape[1], group)).flatten(2, 3)  # (B, h/r, r x n_r, d): a group's queries in a row
+    out = _RingAttention.apply(q, k, v, axis, list(sizes), positions, bounds, group)
+    return out.unflatten(2, (group, n)).flatten(1, 2)  # (B, h, n_r, d)

@@ -207,31 +207,98 @@ class RowParallelLinear(ParallelLinear):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class SequenceParallelLayerNorm(nn.LayerNorm, TensorParallelLayer):
-    """LayerNorm on sequence shards (Korthikanti et al. 2022, sec. 4.2.2).
+class GroupedQKVParallelLinear(TensorParallelLayer):
+    """The fused QKV projection of grouped-query attention when tp is a multiple of the key/value heads
+    (`networks.blocks.Attention`: rows ordered (group, [q heads, k, v], head_dim)).
 
-    Weight and bias (D) replicated over `axis`; in/out (B, N_local, D). No communication in forward
-    or backward: normalization is per token. Each rank sees only its tokens, so the weight and bias
-    gradients are partial sums over `axis` (declared by `partial_grad_axes`).
+    c = tp / groups ranks share each group: rank t computes the rows of query heads
+    (t mod c) x r/c .. of group t // c, and the group's key and value rows, its output laid out as
+    (1 group, [r/c q heads, k, v], head_dim). The weight and bias are the serial ones, replicated over
+    `axis` (a key/value row is used by c ranks, so there is nothing to split); each rank's gradient holds
+    the contributions of the rows it used, a partial sum over `axis` (declared: `sync_partial_grads` adds
+    them, after which every rank applies the same update). The q rows are stored tp times (Megatron
+    refuses tp > kv heads; vLLM replicates K/V the same way for inference).
+    In: (B, N, in) replicated, or sequence shards under SP (gathered as ColumnParallelLinear does).
     """
+
+    def __init__(self, linear: nn.Linear, axis: AxisGroup, groups: int, q_per_group: int, head_dim: int, *,
+                 sequence_parallel: bool = False, seq_dim: int = 1, shards: SequenceShards | None = None,
+                 keep_gathered: bool = False):
+        super().__init__()
+        assert axis.size % groups == 0 and q_per_group % (axis.size // groups) == 0
+        self.axis, self.in_features, self.out_features = axis, linear.in_features, linear.out_features
+        self.sequence_parallel, self.seq_dim, self.shards, self.keep_gathered = sequence_parallel, seq_dim, shards, keep_gathered
+        share = axis.size // groups
+        self.q_local = q_per_group // share  # query heads this rank computes
+        group, part = divmod(axis.rank, share)
+        base = group * (q_per_group + 2) * head_dim
+        q_rows = torch.arange(part * self.q_local * head_dim, (part + 1) * self.q_local * head_dim)
+        kv_rows = torch.arange(q_per_group * head_dim, (q_per_group + 2) * head_dim)
+        self.register_buffer("rows", base + torch.cat([q_rows, kv_rows]).to(linear.weight.device), persistent=False)
+        self.weight = nn.Parameter(linear.weight.detach().clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.partial_grad_axes = (axis,)
+
+    def partial_grad_params(self) -> list[nn.Parameter]:
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_matmul_dtype(x)
+        weight = self.weight[self.rows]
+        bias = None if self.bias is None else self.bias[self.rows]
+        sizes = self.shards.sizes if self.shards is not None else None
+        if self.sequence_parallel and not self.keep_gathered:
+            return all_gather_linear(x, weight, bias, self.axis, self.seq_dim, sizes)
+        x = all_gather_region(x, self.axis, self.seq_dim, sizes) if self.sequence_parallel else copy_to_region(x, self.axis)
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} replicated over {self.axis.name}={self.axis.size}, "
+                f"{self.q_local} query heads and their group's key/value head per rank, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class SequenceParallelNorm(TensorParallelLayer):
+    """A per-token norm on sequence shards (Korthikanti et al. 2022, sec. 4.2.2): LayerNorm or RMSNorm.
+
+    Weights (D) replicated over `axis`; in/out (B, N_local, D). No communication in forward or backward:
+    normalization is per token. Each rank sees only its tokens, so the weight (and bias) gradients are
+    partial sums over `axis` (declared by `partial_grad_axes`).
+    """
+
+    def partial_grad_params(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters(recurse=False) if p is not None]
+
+    @staticmethod
+    def from_serial(norm: nn.Module, axis: AxisGroup) -> SequenceParallelNorm:
+        """The same norm (copied weights), now declaring partial gradients over tp."""
+        ref = norm.weight
+        place = dict(device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype)
+        if type(norm) is nn.LayerNorm:
+            layer = SequenceParallelLayerNorm(norm.normalized_shape, axis, norm.eps, norm.elementwise_affine,
+                                              norm.bias is not None, **place)
+        else:
+            layer = SequenceParallelRMSNorm(norm.normalized_shape, axis, norm.eps, norm.elementwise_affine, **place)
+        layer.load_state_dict(norm.state_dict())
+        return layer
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm, SequenceParallelNorm):
+    """nn.LayerNorm on sequence shards (SequenceParallelNorm)."""
 
     def __init__(self, normalized_shape, axis: AxisGroup, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        self.axis = axis
-        self.partial_grad_axes = (axis,)
+        self.axis, self.partial_grad_axes = axis, (axis,)
 
-    @classmethod
-    def from_serial(cls, norm: nn.LayerNorm, axis: AxisGroup) -> SequenceParallelLayerNorm:
-        """The same LayerNorm (copied weights), now declaring partial gradients over tp."""
-        ref = norm.weight
-        layer = cls(norm.normalized_shape, axis, norm.eps, norm.elementwise_affine, norm.bias is not None,
-                    device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype)
-        layer.load_state_dict(norm.state_dict())
-        return layer
 
-    def partial_grad_params(self) -> list[nn.Parameter]:
-        return [p for p in (self.weight, self.bias) if p is not None]
+class SequenceParallelRMSNorm(nn.RMSNorm, SequenceParallelNorm):
+    """nn.RMSNorm on sequence shards (SequenceParallelNorm)."""
+
+    def __init__(self, normalized_shape, axis: AxisGroup, eps: float | None = None, elementwise_affine: bool = True,
+                 device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.axis, self.partial_grad_axes = axis, (axis,)
 
 
 class ScatterSequence(nn.Module):

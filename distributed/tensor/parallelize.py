@@ -32,8 +32,8 @@ from __future__ import annotations
 from torch import nn
 
 from distributed.rng import per_shard
-from distributed.tensor.layers import (ColumnParallelLinear, GatherSequence, RowParallelLinear, ScatterSequence,
-                                       SequenceParallelLayerNorm, SequenceShards, TensorParallelLayer)
+from distributed.tensor.layers import (ColumnParallelLinear, GatherSequence, GroupedQKVParallelLinear, RowParallelLinear,
+                                       ScatterSequence, SequenceParallelNorm, SequenceShards, TensorParallelLayer)
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.blocks import SequenceRegion
 from networks.parallel_plan import ParallelModel, ParallelPlan, Part, check_followed
@@ -56,8 +56,10 @@ def parallelize(model: ParallelModel, *, grid: Grid, sequence_parallel: bool, ke
     shards = SequenceShards(axis)
     column = dict(sequence_parallel=sequence_parallel, shards=shards, keep_gathered=keep_gathered)
     _parallelize_vocab(model, plan, axis, column)
+    grouped = _grouped_qkv(model, plan, axis, column)
     for part in plan.in_blocks(model, "column"):
-        part.replace(ColumnParallelLinear.from_serial(_serial(part, nn.Linear), axis, **column))
+        if part.name not in grouped:
+            part.replace(ColumnParallelLinear.from_serial(_serial(part, nn.Linear), axis, **column))
     for part in plan.in_blocks(model, "row"):
         part.replace(RowParallelLinear.from_serial(_serial(part, nn.Linear), axis, sequence_parallel=sequence_parallel))
     for part in plan.in_blocks(model, "attention"):
@@ -68,6 +70,27 @@ def parallelize(model: ParallelModel, *, grid: Grid, sequence_parallel: bool, ke
     for role in ("column", "row", "norms") if sequence_parallel else ("column", "row"):
         assert all(isinstance(p.module, TensorParallelLayer) for p in plan.in_blocks(model, role)), role
     return model
+
+
+def _grouped_qkv(model: nn.Module, plan: ParallelPlan, axis: AxisGroup, column: dict) -> set[str]:
+    """Grouped-query attention with fewer key/value heads than tp ranks: each rank keeps its queries'
+    group whole (`GroupedQKVParallelLinear`); returns the names of the projections so replaced. With tp
+    dividing the key/value heads, the plain column split already gives each rank whole groups."""
+    done = set()
+    for part in plan.in_blocks(model, "attention"):
+        attn = part.module
+        if getattr(attn, "num_kv_heads", attn.num_heads) % axis.size == 0:  # (multi-head attention need not say)
+            continue
+        qkv = f"{part.name}.qkv"
+        if axis.size % attn.num_kv_heads or attn.q_per_group % (axis.size // attn.num_kv_heads):
+            raise ConfigError(f"{part.name} has {attn.num_kv_heads} key/value heads, which parallel.tp={axis.size} "
+                              "neither divides nor is a multiple of", "parallel.tp",
+                              f"choose a parallel.tp that divides or is a multiple of {attn.num_kv_heads}")
+        serial = _serial(Part(attn, "qkv", qkv, attn.qkv), nn.Linear)
+        attn.qkv = GroupedQKVParallelLinear(serial, axis, attn.num_kv_heads, attn.q_per_group, attn.head_dim, **column)
+        attn.q_per_group = attn.qkv.q_local
+        done.add(qkv)
+    return done
 
 
 def _serial(part: Part, kind: type[nn.Module]) -> nn.Module:
@@ -105,8 +128,8 @@ def _parallelize_sequence_region(model: nn.Module, plan: ParallelPlan, axis: Axi
     """Sequence-parallel norms and per-shard dropouts inside the region; the markers as split/gather."""
     final = [part for path in plan.norms if (part := plan.outside(model, path)) is not None]
     for part in [*plan.in_blocks(model, "norms"), *final]:
-        if not isinstance(part.module, SequenceParallelLayerNorm):
-            part.replace(SequenceParallelLayerNorm.from_serial(_sequence_norm(part), axis))
+        if not isinstance(part.module, SequenceParallelNorm):
+            part.replace(SequenceParallelNorm.from_serial(_sequence_norm(part), axis))
     for part in plan.in_blocks(model, "dropouts"):
         part.replace(per_shard(part.module, (axis,)))  # tokens are split over tp
     entries = 0
@@ -120,9 +143,9 @@ def _parallelize_sequence_region(model: nn.Module, plan: ParallelPlan, axis: Axi
     assert entries == 1, f"sequence parallelism needs exactly one 'enter' SequenceRegion, found {entries}"
 
 
-def _sequence_norm(part: Part) -> nn.LayerNorm:
-    """The declared norm when it is an nn.LayerNorm (the one norm with a sequence-parallel version)."""
-    if type(part.module) is not nn.LayerNorm:
+def _sequence_norm(part: Part) -> nn.Module:
+    """The declared norm when it is an nn.LayerNorm or nn.RMSNorm (the norms with a sequence-parallel version)."""
+    if type(part.module) not in (nn.LayerNorm, nn.RMSNorm):
         raise ConfigError(f"{part.name} is a {type(part.module).__name__}, which has no sequence-parallel version",
                           "parallel.sequence_parallel", "set parallel.sequence_parallel=false, or use nn.LayerNorm")
     return part.module

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from networks.transformer import GPTConfig
+from networks.transformer import GPTConfig, LlamaConfig
 from networks.vit import ViTConfig
 from utils import require
 from utils.comm import Grid
@@ -84,6 +84,8 @@ FAMILIES = {f.arch: f for f in (
     Family("vit", "ViT", ViTConfig, "model=vit_tiny, vit_base or vit_large", "era5", "ERA5", ERA5Config, WeatherTask),
     Family("gpt", "GPT", GPTConfig, "model=gpt_tiny, gpt_small or gpt_medium", "wikitext", "WikiText", WikiTextConfig,
            LanguageTask),
+    Family("llama", "Llama", LlamaConfig, "model=llama_tiny, llama_1b or llama_8b", "wikitext", "WikiText",
+           WikiTextConfig, LanguageTask),
 )}
 
 

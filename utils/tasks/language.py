@@ -24,8 +24,15 @@ class LanguageTask:
 
     @staticmethod
     def check_config(cfg) -> None:
-        model, data, cp = cfg.model, cfg.data, cfg.parallel.cp
+        model, data, cp, tp = cfg.model, cfg.data, cfg.parallel.cp, cfg.parallel.tp
         check_seq_len(model, data.seq_len)
+        require(model.kv_heads % tp == 0 or tp % model.kv_heads == 0,
+                f"model.num_kv_heads={model.kv_heads} with parallel.tp={tp}: key/value heads are split over tp when tp "
+                "divides them and kept whole (each rank its queries' group) when they divide tp", "parallel.tp",
+                f"choose a parallel.tp that divides or is a multiple of {model.kv_heads}")
+        require(model.mlp != "swiglu" or model.hidden % tp == 0, f"model.mlp_hidden={model.hidden} is not divisible by "
+                f"parallel.tp={tp} (the gated MLP keeps each unit's gate and up rows on one rank)", "model.mlp_hidden",
+                f"choose a multiple of {tp}")
         for name in ("rollout_every", "rollout_train_every"):
             require(getattr(cfg.trainer, name) == 0, "rollouts are forecasts of the weather model",
                     f"trainer.{name}", f"set trainer.{name}=0 for the language model")
