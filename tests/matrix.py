@@ -30,7 +30,7 @@ from utils import ConfigError
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 MAX_WORLD = 4
 FACTORS = {
-    "model": ("vit", "gpt"),
+    "model": ("vit", "gpt", "llama"),
     "tp": (1, 2),
     "cp": (1, 2),
     "pp": (1, 2, 4),
@@ -49,6 +49,7 @@ GLOBAL_BATCH = 16  # divisible by every dp x accumulation x microbatches of the 
 MODEL_ARGS = {
     "vit": ["trainer.global_batch_size=16", "data.limit_nsamples_val=8", "model.depth=4"],
     "gpt": [*TINY_GPT, "data.limit_eval_tokens=2048", "trainer.global_batch_size=16"],
+    "llama": ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=2048", "trainer.global_batch_size=16"],
 }
 
 

@@ -40,7 +40,8 @@ ACCEPTED, REFUSED = covering_set()
 
 
 def _roots(request) -> dict[str, str]:
-    return {"vit": str(request.getfixturevalue("era5_root")), "gpt": str(request.getfixturevalue("corpus_root"))}
+    corpus = str(request.getfixturevalue("corpus_root"))
+    return {"vit": str(request.getfixturevalue("era5_root")), "gpt": corpus, "llama": corpus}
 
 
 def case_argv(run_dir: Path, model: str, root: str, overrides: list[str]) -> list[str]:
