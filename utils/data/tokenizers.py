@@ -1,13 +1,17 @@
-"""Tokenizers of the language model: the classic word-level vocabulary and a byte-level BPE.
+"""Tokenizers of the language model: the classic word-level vocabulary, a byte-level BPE, and a
+pretrained model's own tokenizer.
 
 'word' is the vocabulary of PyTorch's word_language_model example (split on whitespace, WikiText's
 `<unk>` kept, `<eos>` after every line); 'bpe' is a byte-level BPE (GPT-2 style) trained with Hugging
 Face `tokenizers`. Both encode lines to ids, decode ids to text with `<eos>` as a newline, and save to
-and load from one JSON file (utils/data/cache.py caches them).
+and load from one JSON file (utils/data/cache.py caches them). 'pretrained' reads the `tokenizer.json`
+that a Hugging Face model folder ships (GPT-2, Llama) as it is: never trained, never cached, its own
+end-of-text token ending every line, so a fine-tune sees the ids its embedding was trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections.abc import Iterable
@@ -17,7 +21,13 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from utils import ConfigError, require
+
 UNK, EOS = "<unk>", "<eos>"
+# End-of-text tokens of shipped tokenizers, tried in this order when tokenizer_config.json names none:
+# GPT-2's, Llama 3's, Llama 2's (and most SentencePiece models').
+KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>")
+PRETRAINED_FIX = "give a folder holding a Hugging Face tokenizer.json (or the file itself), or choose word or bpe"
 
 
 def split_at_eos(ids: Iterable[int], eos_id: int) -> list[list[int]]:
@@ -106,7 +116,94 @@ class BPETokenizer:
         return cls(HFTokenizer.from_file(str(path)))
 
 
-AnyTokenizer = WordTokenizer | BPETokenizer
+def pretrained_file(spec: str) -> Path:
+    """The tokenizer.json that `data.tokenizer=spec` names: the file itself, or `tokenizer.json` in the
+    folder; ConfigError when neither exists (checked when the config is made, before any data is read)."""
+    path = Path(spec).expanduser()
+    require(path.exists(), f"tokenizer {spec!r} is neither word, bpe nor an existing path", "data.tokenizer",
+            PRETRAINED_FIX)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    require(file.is_file(), f"the folder {path} holds no tokenizer.json", "data.tokenizer", PRETRAINED_FIX)
+    return file
+
+
+def configured_eos(folder: Path) -> str | None:
+    """`eos_token` of the folder's tokenizer_config.json (a string, or an AddedToken dict's "content");
+    None when the file or the entry is absent."""
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+        raise ConfigError(f"cannot read {config} ({err})", "data.tokenizer",
+                          "repair or remove tokenizer_config.json beside tokenizer.json") from None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    require(eos is None or isinstance(eos, str), f"eos_token of {config} is {eos!r}, not a token", "data.tokenizer",
+            "set eos_token to the end token's text, e.g. \"<|endoftext|>\"")
+    return eos
+
+
+class PretrainedTokenizer:
+    """A Hugging Face tokenizer.json as a pretrained model ships it (GPT-2, Llama), read, never trained.
+
+    The end of every corpus line is the tokenizer's own end-of-text token: `eos_token` of a
+    tokenizer_config.json beside the file, else the first of KNOWN_EOS in the vocabulary. Lines are
+    encoded without the tokenizer's own special tokens (Llama's post-processor would put a BOS before
+    every line) and without truncation or padding, whatever the file sets. `vocab_size` counts the added
+    tokens too (GPT-2: 50257, Llama 3: 128256: the rows of the pretrained embedding), so the model's
+    padding to its vocabulary multiple starts from the real count and padding rows never count as
+    tokens. `fingerprint` hashes the file's bytes and the chosen end token: it names the id caches, so
+    two tokenizers never share one.
+    """
+
+    kind = "pretrained"
+
+    def __init__(self, tokenizer: HFTokenizer, eos_token: str, fingerprint: str):
+        self.tokenizer, self.eos_token, self.fingerprint = tokenizer, eos_token, fingerprint
+        tokenizer.no_truncation()  # some shipped files cap lengths (512 tokens): a line must stay whole
+        tokenizer.no_padding()
+        self.eos_id = tokenizer.token_to_id(eos_token)
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        # Shipped counts have no holes; a file with one still gets a row for its highest id.
+        self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+
+    @classmethod
+    def load(cls, spec: str) -> PretrainedTokenizer:
+        """The tokenizer that `data.tokenizer=spec` names; ConfigError when it cannot be read or has no
+        end-of-text token."""
+        file = pretrained_file(spec)
+        try:
+            data = file.read_bytes()
+            tokenizer = HFTokenizer.from_buffer(data)
+        except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception on a bad file
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"cannot read {file} as a Hugging Face tokenizer ({first})", "data.tokenizer",
+                              PRETRAINED_FIX) from None
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        eos = configured_eos(file.parent)
+        if eos is None:
+            eos = next((name for name in KNOWN_EOS if name in vocab), None)
+            require(eos is not None, f"{file} has none of the end-of-text tokens {', '.join(KNOWN_EOS)}",
+                    "data.tokenizer", "name the tokenizer's end token as eos_token in a tokenizer_config.json "
+                    "beside tokenizer.json")
+        require(eos in vocab, f"eos_token {eos!r} of {file.parent / 'tokenizer_config.json'} is not in {file}",
+                "data.tokenizer", "set eos_token to a token of the tokenizer's vocabulary")
+        fingerprint = hashlib.sha1(data + b"\0" + eos.encode()).hexdigest()[:10]
+        return cls(tokenizer, eos, fingerprint)
+
+    def encode_batch(self, lines: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(lines, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, the end token as a newline. Corpus lines are stripped, so a leading space on a
+        decoded line is the tokenizer's own prefix space (add_prefix_space) and is dropped, as in bpe."""
+        decode = self.tokenizer.decode
+        return "\n".join(decode(line, skip_special_tokens=False).removeprefix(" ")
+                         for line in split_at_eos(ids, self.eos_id))
+
+
+AnyTokenizer = WordTokenizer | BPETokenizer | PretrainedTokenizer
 
 
 def encode_lines(tokenizer: AnyTokenizer, lines: Iterable[str], chunk: int = 8192) -> np.ndarray:

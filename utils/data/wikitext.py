@@ -8,11 +8,13 @@ Layouts read under `data.root` (directly or in a subfolder such as `wikitext-2/`
 Tokenizers: 'word' is the classic word-level vocabulary of PyTorch's word_language_model example (split
 on whitespace, WikiText's `<unk>` kept, `<eos>` after every line), except that blank lines are skipped
 (the example gives each one an `<eos>`); 'bpe' is a byte-level BPE trained with Hugging Face
-`tokenizers` on the train split only. The tokenizer (JSON) and each split's ids (int32 .npy) are cached
-beside the data, or in a user cache folder when the data folder is read-only; names carry the tokenizer
-settings and the source files' names and sizes, so a change of either builds new ones. Cache files
-appear atomically and the first writer wins, so concurrent ranks agree on one tokenizer. The
-tokenizers are in utils/data/tokenizers.py, the cache in utils/data/cache.py.
+`tokenizers` on the train split only; a path reads a pretrained model's tokenizer.json as it ships
+(its end-of-text token after every line). The trained tokenizer (JSON) and each split's ids (int32
+.npy) are cached beside the data, or in a user cache folder when the data folder is read-only; names
+carry the tokenizer settings (a pretrained tokenizer: a hash of its file) and the source files' names
+and sizes, so a change of either builds new ones. Cache files appear atomically and the first writer
+wins, so concurrent ranks agree on one tokenizer. The tokenizers are in utils/data/tokenizers.py, the
+cache in utils/data/cache.py.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from torch.utils.data import Dataset
 from utils import ConfigError, require
 from utils.data.cache import cache_folders, cached
 from utils.data.corpus import ensure_sample_corpus
-from utils.data.tokenizers import AnyTokenizer, BPETokenizer, WordTokenizer, encode_lines
+from utils.data.tokenizers import (AnyTokenizer, BPETokenizer, PretrainedTokenizer, WordTokenizer, encode_lines,
+                                   pretrained_file)
 
 SPLITS = ("train", "valid", "test")
 HF_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
@@ -55,7 +58,7 @@ class WikiTextConfig:
     sample: bool = False  # use the project's own generated corpus (utils.corpus), made in root on first use
     variant: str = "auto"  # 'wikitext-2' | 'wikitext-103' | 'auto': the subfolder to read (auto: first found)
     raw: bool = False  # read the *-raw variant (wiki.*.raw, original text) instead of wiki.*.tokens
-    tokenizer: str = "word"  # word | bpe: word-level vocabulary, or byte-level BPE trained on train
+    tokenizer: str = "word"  # word | bpe | PATH: word-level, BPE trained on train, or a folder's tokenizer.json
     bpe_vocab_size: int = 8192  # BPE vocabulary size in tokens, special tokens included
     seq_len: int = 128  # tokens per sample (the model's context); must be <= model.max_positions
     limit_train_tokens: int | None = None  # use only the first N training tokens (None = all)
@@ -70,8 +73,8 @@ class WikiTextConfig:
                 f"choose one of {', '.join(VARIANTS)}")
         require(not (self.sample and self.raw), "the sample corpus has no raw variant", "data.raw",
                 "set data.raw=false with data.sample=true")
-        require(self.tokenizer in TOKENIZERS, f"unknown tokenizer {self.tokenizer!r}", "data.tokenizer",
-                f"choose one of {', '.join(TOKENIZERS)}")
+        if self.tokenizer not in TOKENIZERS:
+            pretrained_file(self.tokenizer)  # a path: it must exist now, not after the corpus is read
         require(260 <= self.bpe_vocab_size <= 1_000_000, f"bpe_vocab_size {self.bpe_vocab_size} out of range",
                 "data.bpe_vocab_size", "use 260 (256 bytes + specials) to 1000000 tokens, e.g. 8192")
         require(self.seq_len > 0, f"seq_len must be positive, got {self.seq_len}", "data.seq_len",
@@ -177,7 +180,11 @@ def nonempty_lines(source: SplitSource) -> Iterator[str]:
 
 
 def load_tokenizer(cfg: WikiTextConfig, train: SplitSource, folders: list[Path]) -> tuple[AnyTokenizer, str]:
-    """The tokenizer trained on `train` (cached), and the name that tags the id caches made with it."""
+    """The tokenizer trained on `train` (cached) or read from the path given, and the name that tags the
+    id caches made with it (for a pretrained tokenizer, a hash of its file rather than of the corpus)."""
+    if cfg.tokenizer not in TOKENIZERS:
+        tok = PretrainedTokenizer.load(cfg.tokenizer)
+        return tok, f"tokenizer-pretrained-{tok.fingerprint}"
     settings = "word" if cfg.tokenizer == "word" else f"bpe{cfg.bpe_vocab_size}"
     name = f"tokenizer-{settings}-{train.fingerprint()}"
     kind = WordTokenizer if cfg.tokenizer == "word" else BPETokenizer
