@@ -2,7 +2,8 @@
 readers of a run's TensorBoard events, and multi-rank functions on the rank pool.
 
 Workloads: `QUIET` (no validation but the last, no checkpoint but the last, no data worker processes) and
-`TINY_GPT` (the tiny language model on the sample corpus), which test files extend with what they vary.
+`TINY_GPT` (the tiny language model on the sample corpus), which test files extend with what they vary;
+`make_tokenizer` saves a tiny pretrained-style tokenizer folder (tokenizer.json) trained on the sample corpus.
 
 Multi-rank functions: Run a function on N gloo ranks, for multi-rank tests on CPU.
 
@@ -18,6 +19,7 @@ their processes). `fn` must be a module-level (picklable) function.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import queue
 import subprocess
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["trainer.val_every=0", "trainer.val_at_start=false", "trainer.ckpt_every=0", "trainer.num_workers=0"]
@@ -46,12 +49,13 @@ def run_entry(script: str, *args: str, timeout: float = 240, env: dict | None = 
 
 def run_main(script: str, *args: str) -> tuple[int, str, str]:
     """An entry point's `main(args)` in this process, for checks that end before any training (bad input):
-    (exit status, stdout, stderr). The status of `sys.exit` counts as returned."""
+    (exit status, stdout, stderr). The status of `sys.exit` counts as returned. `script`: a script (train.py)
+    or a module's name (utils.checkpoints.export)."""
     import contextlib
     import importlib
     import io
 
-    module = importlib.import_module(Path(script).stem)
+    module = importlib.import_module(Path(script).stem if script.endswith(".py") else script)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -154,3 +158,28 @@ def _collect(procs: list, results, timeout_s: float) -> None:
         if error is not None:
             raise RuntimeError(f"rank {rank} failed:\n{error}")
         pending.discard(rank)
+
+
+def corpus_lines(sample: Path, split: str) -> list[str]:
+    return [s for s in (line.strip() for line in open(sample / f"wiki.{split}.tokens", encoding="utf-8")) if s]
+
+
+def make_tokenizer(folder: Path, sample: Path, specials: list[str], eos_token=None, bos: str | None = None,
+                   vocab_size: int = 600) -> Path:
+    """A byte-level BPE (GPT-2's pre-tokenizer: no prefix space) trained on the first train lines, saved as
+    folder/tokenizer.json; `eos_token` (str or AddedToken dict) goes into a tokenizer_config.json; `bos`
+    gives it Llama's post-processor, which puts that token before every encoded text."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus_lines(sample, "train")[:400], trainer)
+    if bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    if eos_token is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}), encoding="utf-8")
+    return folder

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
-from tests.helpers import QUIET, TINY_GPT, run_entry, run_main
+from tests.helpers import QUIET, TINY_GPT, corpus_lines, make_tokenizer, run_entry, run_main
 from utils import ConfigError
 from utils.data import wikitext as wt
 from utils.data.corpus import ensure_sample_corpus
@@ -25,31 +25,6 @@ from utils.data.wikitext import WikiTextConfig, load_wikitext
 def sample(tmp_path_factory) -> Path:
     """The sample corpus in a folder of this module's own (the id caches are written beside it)."""
     return ensure_sample_corpus(tmp_path_factory.mktemp("corpus") / "sample")
-
-
-def corpus_lines(sample: Path, split: str) -> list[str]:
-    return [s for s in (line.strip() for line in open(sample / f"wiki.{split}.tokens", encoding="utf-8")) if s]
-
-
-def make_tokenizer(folder: Path, sample: Path, specials: list[str], eos_token=None, bos: str | None = None,
-                   vocab_size: int = 600) -> Path:
-    """A byte-level BPE (GPT-2's pre-tokenizer: no prefix space) trained on the first train lines, saved as
-    folder/tokenizer.json; `eos_token` (str or AddedToken dict) goes into a tokenizer_config.json; `bos`
-    gives it Llama's post-processor, which puts that token before every encoded text."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(corpus_lines(sample, "train")[:400], trainer)
-    if bos is not None:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    if eos_token is not None:
-        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}), encoding="utf-8")
-    return folder
 
 
 def load(sample: Path, tokenizer: Path | str, **kw):

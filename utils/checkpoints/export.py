@@ -1,7 +1,10 @@
-"""A checkpoint of any layout as one torch.save file of the single-process state, and back.
+"""A checkpoint of any layout as one torch.save file of the single-process state, or as a Hugging Face
+model folder, and back.
 
     python -m utils.checkpoints.export export runs/<run>/checkpoints/step_0000100 model.pt
     python -m utils.checkpoints.export import model.pt runs/<new run>      # -> runs/<new run>/checkpoints/step_0000100
+    python -m utils.checkpoints.export export-hf runs/<run>/checkpoints/step_0000100 hf/<name>
+    python -m utils.checkpoints.export import-hf hf/<name> runs/<new run>  # -> runs/<new run>/checkpoints/step_0000000
 
 The file holds plain tensors of the one-process model, readable without this project:
 
@@ -13,6 +16,12 @@ Export reads the checkpoint in one process (every shard, any layout; the per-ran
 Import writes a complete checkpoint (DCP folder, state.json, marker, `latest`) that any layout resumes with
 `trainer.resume=auto run.dir=<new run>` or `trainer.resume=<its step folder>`; random streams are then
 re-derived from (seed, step, rank), as for a checkpoint of another layout.
+
+Hugging Face (utils/checkpoints/hf.py): export-hf writes config.json, model.safetensors and the run's
+tokenizer files (`data.tokenizer=PATH`, or --tokenizer) of a GPT-2 or Llama run, which transformers'
+`from_pretrained` loads; import-hf writes a checkpoint of the model weights at step 0, for a new run
+with `trainer.init_from=<its step folder>` (or give the folder itself: `trainer.init_from=hf/<name>`),
+and prints the model settings that run needs.
 """
 
 from __future__ import annotations
@@ -23,12 +32,15 @@ from pathlib import Path
 
 import torch
 
-from utils import ConfigError, exit_bad_input
+from utils import ConfigError, exit_bad_input, require
+from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer
 from utils.checkpoints.sharded_state import read_full
+from utils.cli.runs import TASK_FILE, load_run, read_facts
 from utils.comm import Grid
 
 IMPORTED = "imported from a single-process file"  # the `layout` an imported checkpoint records
+IMPORTED_HF = "imported from a Hugging Face folder"
 
 
 def export_checkpoint(folder: Path, out: Path) -> dict:
@@ -62,6 +74,40 @@ def import_checkpoint(file: Path, run_dir: Path) -> Path:
     return Checkpointer(run_dir, Grid.serial().world).save(int(meta["step"]), tensors, meta)
 
 
+def export_hf(folder: Path, out: Path, tokenizer: Path | None = None) -> dict:
+    """Write the language model of the checkpoint `folder` as a Hugging Face folder `out`; returns config.json."""
+    _, model, data = load_run(folder, "wikitext")
+    require(Checkpointer(folder.parent.parent, Grid.serial().world).is_complete(folder),
+            f"{folder} is not a complete checkpoint", "CHECKPOINT", "give a step_* folder that holds a COMPLETE marker")
+    vocab = (read_facts(folder.parent.parent, TASK_FILE) or {}).get("vocab_size")
+    require(vocab is not None, f"{folder.parent.parent} records no vocabulary size (task.json, written since the "
+            "Hugging Face export)", "CHECKPOINT", "resume the run for one step with this version, then export")
+    if tokenizer is None and data.tokenizer not in ("word", "bpe"):
+        tokenizer = Path(data.tokenizer)
+    state = {k.removeprefix("model/"): t for k, t in read_full(folder).items() if k.startswith("model/")}
+    config = hf.hf_config(model, vocab)
+    hf.write_folder(out, config, hf.from_project(model, state, vocab), tokenizer)
+    return config
+
+
+def import_hf(folder: Path, run_dir: Path, vocab_multiple: int = 64) -> tuple[Path, list[str]]:
+    """Write the weights of a Hugging Face folder as a checkpoint of `run_dir` at step 0; returns its step folder
+    and the model settings a run needs to start from it."""
+    from utils.cli.config import load_config
+
+    config, _ = hf.read_folder(folder)
+    arch, settings = hf.model_settings(config)
+    model = hf.schema_of(arch)(**settings, vocab_multiple=vocab_multiple)
+    state = hf.import_state(folder, model)
+    tensors = {f"model/{name}": t for name, t in state.items()}
+    meta = {"layout": IMPORTED_HF, "source": str(folder), "vocab_size": config["vocab_size"]}
+    step = Checkpointer(run_dir, Grid.serial().world).save(0, tensors, meta)
+    preset = f"{arch}_tiny"
+    base = load_config([f"model={preset}", "data=wikitext_sample"])[0].model
+    extra = [] if vocab_multiple == base.vocab_multiple else [f"model.vocab_multiple={vocab_multiple}"]
+    return step, [f"model={preset}", *hf.differences(base, arch, settings), *extra]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.checkpoints.export", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     back = sub.add_parser("import", help="torch.save file -> a checkpoint of a run directory")
     back.add_argument("file", type=Path)
     back.add_argument("run_dir", type=Path)
+    out_hf = sub.add_parser("export-hf", help="checkpoint folder of a GPT-2 or Llama run -> a Hugging Face folder")
+    out_hf.add_argument("checkpoint", type=Path)
+    out_hf.add_argument("folder", type=Path)
+    out_hf.add_argument("--tokenizer", type=Path, help="tokenizer folder or tokenizer.json to copy (default: the run's "
+                        "data.tokenizer when it is a path)")
+    in_hf = sub.add_parser("import-hf", help="Hugging Face folder (GPT-2, Llama) -> a checkpoint of a run directory")
+    in_hf.add_argument("folder", type=Path)
+    in_hf.add_argument("run_dir", type=Path)
+    in_hf.add_argument("--vocab-multiple", type=int, default=64, help="pad the vocabulary as model.vocab_multiple")
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
@@ -78,8 +133,16 @@ def main(argv: list[str] | None = None) -> int:
             count = sum(t.numel() for t in state["model"].values())
             print(f"wrote {args.file}: step {state['trainer']['step']}, {len(state['model'])} model tensors "
                   f"({count / 1e6:.2f}M values), Adam state of {len(state['optimizer'])} parameters")
-        else:
+        elif args.command == "import":
             print(f"wrote {import_checkpoint(args.file, args.run_dir)}")
+        elif args.command == "export-hf":
+            config = export_hf(args.checkpoint, args.folder, args.tokenizer)
+            print(f"wrote {args.folder}: {config['architectures'][0]}, vocabulary {config['vocab_size']}; "
+                  f"load it with transformers' AutoModelForCausalLM.from_pretrained('{args.folder}')")
+        else:
+            step, settings = import_hf(args.folder, args.run_dir, args.vocab_multiple)
+            print(f"wrote {step}\nstart a run from it: python train.py {' '.join(settings)} data=wikitext "
+                  f"data.tokenizer={args.folder} trainer.init_from={step}")
     except ConfigError as err:
         exit_bad_input(err)
     return 0

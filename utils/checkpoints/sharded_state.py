@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from distributed.collectives import all_gather, split_sizes
 from utils.comm import AxisGroup, Grid
@@ -274,6 +274,20 @@ def read_full(folder: Path) -> dict[str, torch.Tensor]:
                for key, shape in shapes.items() if shape is not None}
     dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=True)
     return tensors
+
+
+@torch.no_grad()
+def fill_from_full(view: View, full: dict[str, torch.Tensor]) -> None:
+    """Fill this rank's `view` from the full single-process tensors `full` (same keys), every rank cutting its
+    own part: a DTensor's local shard by its placements (no communication), a replicated tensor whole."""
+    for key, tensor in view.tensors.items():
+        source = full[key].to(tensor.device, tensor.dtype)
+        if isinstance(tensor, DTensor):
+            part = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.to_local().copy_(part.to_local())
+        else:
+            tensor.copy_(source)
+    view.finish_load()
 
 
 def write_full(tensors: dict[str, torch.Tensor], folder: Path) -> None:

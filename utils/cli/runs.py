@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from utils import ConfigError
+from utils import ConfigError, require
 from utils.cli.config import compose_config
 from utils.comm import BATCH_AXES, METRIC_AXES, REPLICA_AXES, SAME_BATCH_AXES, Grid
 
@@ -131,9 +131,12 @@ def write_layout(run_dir: Path, grid: Grid) -> Path:
 
 
 def task_facts(cfg, task) -> dict[str, object]:
-    """What task.json holds: the model family, the data family, and the metric a run is judged by."""
-    return {"arch": cfg.model.arch, "data": cfg.data.kind, "quality_metric": task.quality_metric,
-            "tokens_per_sample": task.tokens_per_sample()}
+    """What task.json holds: the model family, the data family, the metric a run is judged by, and the
+    vocabulary size of a language model (export to Hugging Face drops the padding rows by it)."""
+    facts = {"arch": cfg.model.arch, "data": cfg.data.kind, "quality_metric": task.quality_metric,
+             "tokens_per_sample": task.tokens_per_sample()}
+    vocab = getattr(task, "vocab_size", None)  # the language models: the tokenizer's (unpadded) vocabulary
+    return facts if vocab is None else {**facts, "vocab_size": vocab}
 
 
 def write_task(run_dir: Path, cfg, task) -> Path:
@@ -143,3 +146,31 @@ def write_task(run_dir: Path, cfg, task) -> Path:
 def read_layout(run_dir: Path) -> dict[str, object] | None:
     """A run's layout.json (see `layout_facts`), or None for a run directory without one."""
     return read_facts(run_dir, LAYOUT_FILE)
+
+def load_run(checkpoint: Path, data_kind: str, data_overrides: list[str] = ()):
+    """(family, model config, data config) of the run a step folder belongs to (its run directory's
+    config.yaml, through the family registry), for tools that read a checkpoint in one process. The run
+    must train on `data_kind`; `data_overrides` ('data.KEY=VALUE') change where the data is read from."""
+    from utils.tasks import FAMILIES
+
+    config = Path(checkpoint).parent.parent / "config.yaml"
+    require(config.is_file(), f"{checkpoint} is not a step folder of a run directory (no {config})", "CHECKPOINT",
+            "give run.dir/checkpoints/step_NNNNNNN of a run train.py wrote")
+    raw = OmegaConf.load(config)
+    family = FAMILIES.get(raw.model.arch)
+    fits = [f.name for f in FAMILIES.values() if f.data_kind == data_kind]
+    require(family is not None and family.data_kind == data_kind, f"{checkpoint} is a checkpoint of the "
+            f"{raw.model.arch} model, not of a {' or '.join(fits)} model", "CHECKPOINT",
+            f"give a checkpoint of a {' or '.join(fits)} run")
+    require(all(a.startswith("data.") and "=" in a for a in data_overrides), f"bad settings {data_overrides}",
+            "data.KEY=VALUE", "give only data settings, e.g. data.root=/path/to/data")
+    extra = OmegaConf.from_dotlist(list(data_overrides)).get("data", {})
+    try:
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.model_schema), raw.model))
+        data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.data_schema), raw.data, extra))
+    except Exception as err:  # OmegaConf's validation errors, or a schema's own ConfigError
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"the run's config does not fit this version ({err})", "CHECKPOINT",
+                          "use the version of the project that trained it") from None
+    return family, model, data

@@ -26,8 +26,9 @@ from distributed.pipeline.stages import build_stages, cut_for_rank
 from distributed.rng import seed_default_stream
 from distributed.tensor.parallelize import parallelize
 from utils import require
+from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
-from utils.checkpoints.sharded_state import checkpoint_view, load_state, read_shapes
+from utils.checkpoints.sharded_state import checkpoint_view, fill_from_full, load_state, read_shapes
 from utils.cli.config import Config
 from utils.cli.launch import restart_warning
 from utils.cli.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for, write_layout, write_task
@@ -135,7 +136,7 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
         if previous is not None:
             check_resumable(previous, config_yaml)
         if cfg.trainer.init_from:
-            check_init_from(Path(cfg.trainer.init_from))
+            check_init_from(Path(cfg.trainer.init_from), cfg, task)
         prepare_run_dir(run_dir)
         grid = init_grid(cfg.parallel, sizes)
         log = setup_logging(run_dir, grid.is_main)
@@ -150,22 +151,36 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
     return trainer
 
 
-def check_init_from(folder: Path) -> None:
+def check_init_from(folder: Path, cfg: Config, task) -> None:
+    """A complete checkpoint, or a Hugging Face folder of the configured language model (its config.json
+    checked against model.* and the tokenizer's vocabulary, before any work)."""
+    if (folder / "config.json").is_file():
+        require(cfg.model.arch in ("gpt", "llama"), f"{folder} is a Hugging Face folder, and model={cfg.model.arch} "
+                "is not a language model", "trainer.init_from", "give a checkpoint of a run of this model")
+        hf.check_folder(folder, cfg.model, task.vocab_size)
+        return
     require(Checkpointer(folder.parent.parent, Grid.serial().world).is_complete(folder),
             f"{folder} is not a complete checkpoint", "trainer.init_from",
-            "give a step_* folder of a run's checkpoints/ that holds a COMPLETE marker")
+            "give a step_* folder of a run's checkpoints/ that holds a COMPLETE marker, or a Hugging Face model folder")
 
 
 def init_weights_from(trainer: Trainer, folder: Path) -> None:
-    """Fine-tuning: this rank's model weights from a checkpoint of any layout (resharded by DCP, as a resume)."""
+    """Fine-tuning: this rank's model weights from a checkpoint of any layout (resharded by DCP, as a resume),
+    or from a Hugging Face folder (each rank reads the files and keeps its part)."""
     view = checkpoint_view(trainer.raw_model, None, trainer.grid, for_load=True)
-    saved = read_shapes(folder)
-    wanted, held = view.global_shapes(), {k: s for k, s in saved.items() if k.startswith("model/")}
-    wrong = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
-    require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
-            f"e.g. {wrong[0] if wrong else ''})", "trainer.init_from", "give a checkpoint of a run of the same model")
-    load_state(view.tensors, folder, trainer.grid.world)
-    view.finish_load()
+    if (folder / "config.json").is_file():
+        state = hf.import_state(folder, trainer.cfg.model, trainer.task.vocab_size)
+        fill_from_full(view, {f"model/{k}": v for k, v in state.items()})
+    else:
+        with torch.device("meta"):  # the whole model's names and shapes (a pipeline rank's view holds its stages')
+            serial = trainer.task.build_model()
+        wanted = {f"model/{k}": tuple(t.shape) for k, t in serial.state_dict().items()}
+        held = {k: s for k, s in read_shapes(folder).items() if k.startswith("model/")}
+        wrong = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
+        require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
+                f"e.g. {wrong[0] if wrong else ''})", "trainer.init_from", "give a checkpoint of a run of the same model")
+        load_state(view.tensors, folder, trainer.grid.world)
+        view.finish_load()
     trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
 
 

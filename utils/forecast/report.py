@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from utils import ConfigError, exit_bad_input, require
+from utils.cli.runs import load_run
 
 
 def parse_args(argv: list[str] | None):
@@ -38,33 +39,6 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--out", type=Path, required=True, help="folder for the files, tables and figures")
     parser.add_argument("data", nargs="*", help="data.key=value settings over the run's (e.g. data.root=PATH)")
     return parser.parse_intermixed_args(argv)
-
-
-def load_run(checkpoint: Path, data_overrides: list[str]):
-    """(model config, data config) of the run the checkpoint belongs to, through the family registry."""
-    from omegaconf import OmegaConf
-
-    from utils.tasks import FAMILIES
-
-    config = checkpoint.parent.parent / "config.yaml"
-    require(config.is_file(), f"{checkpoint} is not a step folder of a run directory (no {config})", "CHECKPOINT",
-            "give run.dir/checkpoints/step_NNNNNNN of a run train.py wrote")
-    raw = OmegaConf.load(config)
-    family = FAMILIES.get(raw.model.arch)
-    require(family is not None and family.data_kind == "era5", f"{checkpoint} is a checkpoint of the "
-            f"{raw.model.arch} model, not of the weather model", "CHECKPOINT", "give a checkpoint of a ViT run")
-    require(all(a.startswith("data.") and "=" in a for a in data_overrides), f"bad settings {data_overrides}",
-            "data.KEY=VALUE", "give only data settings, e.g. data.root=/path/to/era5")
-    extra = OmegaConf.from_dotlist(data_overrides).get("data", {})
-    try:
-        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.model_schema), raw.model))
-        data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.data_schema), raw.data, extra))
-    except Exception as err:  # OmegaConf's validation errors, or a schema's own ConfigError
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(f"the run's config does not fit this version ({err})", "CHECKPOINT",
-                          "use the version of the project that trained it") from None
-    return family, model, data
 
 
 def forecast(args) -> dict:
@@ -82,7 +56,7 @@ def forecast(args) -> dict:
             f"bad --steps {args.steps} or --init {args.init!r}", "--steps/--init",
             "give a positive step count, and a positive count of initial times or their indices (0,12,24)")
     count = len(times) if times else int(args.init)
-    family, model_cfg, data_cfg = load_run(args.checkpoint, args.data)
+    family, model_cfg, data_cfg = load_run(args.checkpoint, "era5", args.data)
     require(Checkpointer(args.checkpoint.parent.parent, Grid.serial().world).is_complete(args.checkpoint),
             f"{args.checkpoint} is not a complete checkpoint", "CHECKPOINT",
             "give a step_* folder that holds a COMPLETE marker")

@@ -1,0 +1,209 @@
+"""Weights exchanged with Hugging Face `transformers` (utils/checkpoints/hf.py), models built from random configs.
+
+- GPT-2 and Llama (grouped K/V, tied and untied heads, Llama 3.1's frequency scaling): for the same weights our
+  logits equal transformers' within 1e-5 (fp32) after import, and transformers' equal ours after export
+  (`from_pretrained` of the folder written); greedy generation gives the same tokens.
+- The workflow: a Hugging Face folder (weights and a tokenizer) -> import-hf -> a fine-tune under tp2 x pp2 on
+  the sample corpus read with that tokenizer -> export-hf -> `from_pretrained` gives our one-process logits.
+- An imported model trains under tp2, pp2, cp2 and fsdp dp2 on the single-process curve (trainer.init_from=DIR).
+- Bad folders and mismatched settings: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import QUIET, make_tokenizer, read_scalars, run_main
+from tests.rank_pool import run_entry_ranks
+from utils.checkpoints import hf
+from utils.checkpoints.export import main as export_main
+from utils.checkpoints.sharded_state import read_full
+from utils.comm import Axis, Grid
+from utils.tasks.generate import greedy_decode
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100
+LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-5)
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 16}
+MODELS = {
+    "gpt2": lambda vocab: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    "llama_gqa_untied_scaled": lambda vocab: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, **LLAMA, tie_word_embeddings=False, rope_scaling=SCALING)),
+    "llama_tied": lambda vocab: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, **{**LLAMA, "num_key_value_heads": 4}, tie_word_embeddings=True)),
+}
+
+
+def hf_model(kind: str, vocab: int = VOCAB, seed: int = 0):
+    """A random transformers model in eval mode; norms and biases perturbed (they start at 1 and 0)."""
+    torch.manual_seed(seed)
+    model = MODELS[kind](vocab).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def save(model, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    return folder
+
+
+def ours_from(folder: Path):
+    """Our one-process model with the weights of a Hugging Face folder, and its config."""
+    from networks.transformer import GPT
+
+    config = json.loads((folder / "config.json").read_text())
+    arch, settings = hf.model_settings(config)
+    cfg = hf.schema_of(arch)(**settings)
+    model = GPT(cfg, config["vocab_size"]).eval()
+    model.load_state_dict(hf.import_state(folder, cfg, config["vocab_size"]))
+    return model, cfg
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_logits_and_greedy_tokens_equal_transformers_both_ways(tmp_path, kind):
+    theirs = hf_model(kind)
+    ours, cfg = ours_from(save(theirs, tmp_path / "in"))
+    x = torch.randint(VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(x).logits
+        torch.testing.assert_close(ours(x)[..., :VOCAB], want, rtol=1e-5, atol=1e-5)
+    # export: transformers reads what we write
+    hf.write_folder(tmp_path / "out", hf.hf_config(cfg, VOCAB), hf.from_project(cfg, ours.state_dict(), VOCAB), None)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ours(x)[..., :VOCAB], rtol=1e-5, atol=1e-5)
+    prompts = x[:, :8]
+    tokens = greedy_decode(ours, prompts, 12, tp=Grid.serial().axis(Axis.TP))
+    generated = back.generate(prompts, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(tokens, generated)
+
+
+def test_fused_layouts_invert():
+    q, k, v = torch.randn(8 * 3, 5), torch.randn(2 * 3, 5), torch.randn(2 * 3, 5)  # 8 query heads, 2 groups, hd 3
+    fused = hf.fuse_qkv(q, k, v, groups=2)
+    assert torch.equal(fused[:4 * 3], q[:4 * 3]) and torch.equal(fused[4 * 3:5 * 3], k[:3])  # group 0: its q, k, v
+    assert all(torch.equal(a, b) for a, b in zip(hf.split_qkv(fused, 2, 4), (q, k, v)))
+
+
+# ------------------------------------------------------------------------------------------------ workflow
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, corpus_root) -> Path:
+    """A 'pretrained' Llama folder as one is downloaded: weights, config.json and its tokenizer files."""
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    make_tokenizer(folder, corpus_root, ["<|end_of_text|>", "<|begin_of_text|>"], eos_token="<|end_of_text|>")
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    size = max(vocab["model"]["vocab"].values()) + 1
+    save(hf_model("llama_gqa_untied_scaled", size), folder)
+    return folder
+
+
+def llama_args(folder: Path, corpus_root: Path) -> list[str]:
+    """The model settings import-hf prints for the folder, and the data read with its tokenizer."""
+    code, out, err = run_main("utils.checkpoints.export", "import-hf", str(folder), str(folder.parent / "imported"))
+    assert code == 0, err
+    settings = re.search(r"python train\.py (.*) data=wikitext data\.tokenizer=", out).group(1).split()
+    return [*settings, "data=wikitext_sample", f"data.root={corpus_root}", f"data.tokenizer={folder}", "data.seq_len=32",
+            "data.limit_eval_tokens=2048", "data.sample_tokens=0", "optim.lr=2e-3", "trainer.global_batch_size=8",
+            "trainer.max_steps=4", "trainer.log_every=1", *QUIET]
+
+
+def curve(run_dir: Path) -> list[float]:
+    return [v for _, v in read_scalars(run_dir)["train/loss"]]
+
+
+def run(args: list[str], run_dir: Path) -> Path:
+    results = run_entry_ranks([*args, f"run.dir={run_dir}"])
+    assert [r.value for r in results] == [0] * len(results), next(r.stdout[-1500:] + r.stderr[-3000:]
+                                                                  for r in results if r.value)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def single(pretrained, corpus_root, tmp_path_factory):
+    args = llama_args(pretrained, corpus_root)
+    return args, curve(run([*args, f"trainer.init_from={pretrained}"], tmp_path_factory.mktemp("single")))
+
+
+def test_import_finetune_tp2pp2_export_loads_in_transformers(pretrained, single, tmp_path):
+    """import-hf's step folder under tp2 x pp2 follows the one-process run from the folder itself; its final
+    checkpoint exported loads in transformers with our one-process logits, tokenizer files beside it."""
+    args, reference = single
+    imported = pretrained.parent / "imported" / "checkpoints" / "step_0000000"
+    run_dir = run([*args, "parallel=pp2", "parallel.tp=2", f"trainer.init_from={imported}"], tmp_path / "tp2pp2")
+    assert curve(run_dir) == pytest.approx(reference, rel=1e-4)
+    step = run_dir / "checkpoints" / "step_0000004"
+    assert export_main(["export-hf", str(step), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
+    from networks.transformer import GPT
+
+    _, cfg = ours_from(pretrained)
+    vocab = json.loads((pretrained / "config.json").read_text())["vocab_size"]
+    ours = GPT(cfg, vocab).eval()
+    ours.load_state_dict({k.removeprefix("model/"): v for k, v in read_full(step).items() if k.startswith("model/")})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(vocab, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x).logits, ours(x)[..., :vocab], rtol=1e-5, atol=1e-5)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "out" / "tokenizer.json"))
+    assert tokenizer.convert_tokens_to_ids("<|end_of_text|>") is not None
+
+
+@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=pp2"], ["parallel=cp2"],
+                                    ["parallel.dp=2", "parallel.dp_mode=fsdp"]], ids=["tp2", "pp2", "cp2", "fsdp_dp2"])
+def test_a_pretrained_model_trains_under_every_layout(pretrained, single, tmp_path, layout):
+    args, reference = single
+    run_dir = run([*args, *layout, f"trainer.init_from={pretrained}"], tmp_path / "run")
+    assert curve(run_dir) == pytest.approx(reference, rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def one_line(code: int, err: str, *needles: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), err
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_bad_folders_are_refused_with_one_line(tmp_path):
+    good = save(hf_model("llama_tied"), tmp_path / "good")
+    cases = {}
+    other = save(hf_model("llama_tied"), tmp_path / "bert")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    cases["bert"] = (other, "model_type is 'bert'")
+    (tmp_path / "empty").mkdir()
+    cases["empty"] = (tmp_path / "empty", "holds no config.json")
+    missing = save(hf_model("llama_tied"), tmp_path / "missing")
+    (missing / "model.safetensors").unlink()
+    cases["no weights"] = (missing, "safetensors")
+    deeper = save(hf_model("llama_tied"), tmp_path / "deeper")
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    cases["a missing layer"] = (deeper, "lack model.layers.2.")
+    wider = save(hf_model("llama_tied"), tmp_path / "wider")
+    (wider / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    cases["other shapes"] = (wider, "has shape")
+    for name, (folder, needle) in cases.items():
+        code, _, err = run_main("utils.checkpoints.export", "import-hf", str(folder), str(tmp_path / f"run_{name}"))
+        one_line(code, err, needle)
+    assert (good / "config.json").is_file()
+
+
+def test_init_from_a_folder_of_another_model_is_refused_before_work(pretrained, corpus_root, tmp_path):
+    args = llama_args(pretrained, corpus_root)
+    code, _, err = run_main("train.py", *args, "model.embed_dim=128", f"trainer.init_from={pretrained}",
+                            f"run.dir={tmp_path / 'a'}")
+    one_line(code, err, "(model)", "model.embed_dim=64")
+    code, _, err = run_main("train.py", *[a for a in args if not a.startswith("data.tokenizer=")],
+                            f"trainer.init_from={pretrained}", f"run.dir={tmp_path / 'b'}")
+    one_line(code, err, "(data.tokenizer)", f"data.tokenizer={pretrained}")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b" / "checkpoints").exists()
