@@ -80,7 +80,9 @@ def test_logits_and_greedy_tokens_equal_transformers_both_ways(tmp_path, kind):
         torch.testing.assert_close(ours(x)[..., :VOCAB], want, rtol=1e-5, atol=1e-5)
     # export: transformers reads what we write
     hf.write_folder(tmp_path / "out", hf.hf_config(cfg, VOCAB), hf.from_project(cfg, ours.state_dict(), VOCAB), None)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weight
+    back.eval()
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, ours(x)[..., :VOCAB], rtol=1e-5, atol=1e-5)
     prompts = x[:, :8]
@@ -156,7 +158,7 @@ def test_import_finetune_tp2pp2_export_loads_in_transformers(pretrained, single,
     with torch.no_grad():
         torch.testing.assert_close(theirs(x).logits, ours(x)[..., :vocab], rtol=1e-5, atol=1e-5)
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "out" / "tokenizer.json"))
-    assert tokenizer.convert_tokens_to_ids("<|end_of_text|>") is not None
+    assert theirs.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|end_of_text|>") is not None
 
 
 @pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=pp2"], ["parallel=cp2"],
@@ -207,3 +209,14 @@ def test_init_from_a_folder_of_another_model_is_refused_before_work(pretrained, 
                             f"trainer.init_from={pretrained}", f"run.dir={tmp_path / 'b'}")
     one_line(code, err, "(data.tokenizer)", f"data.tokenizer={pretrained}")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b" / "checkpoints").exists()
+
+
+def test_a_sharded_folder_reads_as_one_file(tmp_path):
+    """Weights split over shards listed by model.safetensors.index.json (as large models ship) read as one file."""
+    model = hf_model("llama_gqa_untied_scaled")
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    one, sharded = (hf.read_folder(tmp_path / name)[1] for name in ("one", "sharded"))
+    assert one.keys() == sharded.keys() and all(torch.equal(one[k], sharded[k]) for k in one)

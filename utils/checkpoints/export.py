@@ -38,6 +38,7 @@ from utils.checkpoints.checkpointer import Checkpointer
 from utils.checkpoints.sharded_state import read_full
 from utils.cli.runs import TASK_FILE, load_run, read_facts
 from utils.comm import Grid
+from utils.data.tokenizers import PretrainedTokenizer
 
 IMPORTED = "imported from a single-process file"  # the `layout` an imported checkpoint records
 IMPORTED_HF = "imported from a Hugging Face folder"
@@ -85,7 +86,8 @@ def export_hf(folder: Path, out: Path, tokenizer: Path | None = None) -> dict:
     if tokenizer is None and data.tokenizer not in ("word", "bpe"):
         tokenizer = Path(data.tokenizer)
     state = {k.removeprefix("model/"): t for k, t in read_full(folder).items() if k.startswith("model/")}
-    config = hf.hf_config(model, vocab)
+    eos = None if tokenizer is None else PretrainedTokenizer.load(str(tokenizer)).eos_id
+    config = hf.hf_config(model, vocab, eos)
     hf.write_folder(out, config, hf.from_project(model, state, vocab), tokenizer)
     return config
 
