@@ -14,6 +14,8 @@ Three things live here so that nothing else writes them:
   steps use torch.distributed.pipelining's own send/recv, counted by distributed/pipeline/stages.py).
 - `ring_shift`: point-to-point, every rank sends to the next rank of the axis and receives from the
   previous one, asynchronously (ring attention passes K/V blocks with it while it computes).
+- `all_to_all`: chunk j of a dim to rank j, the chunks from every rank concatenated along another dim
+  (all-to-all context parallelism turns sequence shards into head shards with it, and back).
 
 A size-1 axis moves nothing and calls nothing. Byte counts go through `distributed.counting.record`.
 The functional collectives (`torch.distributed._functional_collectives`) trace without graph breaks;
@@ -147,6 +149,24 @@ def reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
     record(axis, ring_bytes("reduce_scatter", nbytes(x), n))
     out = wait(_reduce_scatter_single(x, "sum", dim, axis.group))  # (..., longest, ...)
     return out.narrow(dim, 0, sizes[axis.rank])
+
+
+def all_to_all(x: torch.Tensor, axis: AxisGroup, scatter_dim: int, gather_dim: int,
+               scatter_sizes: Sequence[int], gather_sizes: Sequence[int]) -> torch.Tensor:
+    """Send chunk j of `x` along `scatter_dim` (lengths `scatter_sizes`) to rank j; return the chunks received
+    from every rank concatenated along `gather_dim` in rank order (rank j's is `gather_sizes[j]` long there);
+    traceable. Uneven chunks are padded to the longest (gloo has no all-to-all-v) and trimmed after.
+    Counted: the (n-1)/n of the padded buffer this rank sends to the others."""
+    n = axis.size
+    send_len, recv_len = max(scatter_sizes), max(gather_sizes)
+    chunks = [_pad_to(_pad_to(c, scatter_dim, send_len), gather_dim, recv_len)
+              for c in x.split(list(scatter_sizes), dim=scatter_dim)]
+    buffer = torch.stack(chunks).contiguous()  # (n, ...): chunk j goes to rank j
+    record(axis, (n - 1) * nbytes(buffer) // n)
+    received = wait(funcol.all_to_all_single(buffer, None, None, axis.group))  # (n, ...): from rank j
+    parts = [received[j].narrow(scatter_dim, 0, scatter_sizes[axis.rank]).narrow(gather_dim, 0, gather_sizes[j])
+             for j in range(n)]
+    return torch.cat(parts, dim=gather_dim)
 
 
 def barrier(axis: AxisGroup) -> None:

@@ -12,6 +12,8 @@ sequence parallelism, Korthikanti et al. 2022, sec. 4.2.2):
     reduce_scatter_region fwd reduce-scatter  bwd all-gather      `g-bar` of sequence parallelism
     all_gather_linear     fwd all-gather, then x @ W^T + b; bwd all-gather again, reduce-scatter dX
                           (`g` fused with the column-parallel matmul: only the shard is saved)
+    sequence_to_heads     fwd all-to-all: (B, h, n_r, d) sequence shards -> (B, h/n, N, d) head shards,
+                          bwd the reverse all-to-all (`heads_to_sequence`): the pair is its own adjoint
 
 A size-1 axis returns the input unchanged (no collective, no autograd node). Splits along `dim` follow
 `torch.tensor_split`: with L = q*n + r, the first r ranks hold q+1 elements and the rest q. A gather
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from distributed.collectives import all_gather, all_reduce, own_chunk, reduce_scatter, split_sizes
+from distributed.collectives import all_gather, all_reduce, all_to_all, own_chunk, reduce_scatter, split_sizes
 from utils.comm import AxisGroup
 
 
@@ -231,3 +233,51 @@ def reduce_scatter_region(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.T
     Megatron's `g` after a row-parallel linear.
     """
     return x if axis.size == 1 else _ReduceScatterRegion.apply(x, axis, dim % x.dim())
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """All-to-all from sequence shards to head shards; backward the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, sizes: list[int]) -> torch.Tensor:
+        ctx.axis, ctx.sizes = axis, sizes
+        heads = split_sizes(x.shape[1], axis.size)
+        return all_to_all(x, axis, 1, 2, heads, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _heads_to_sequence(grad, ctx.axis, ctx.sizes), None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """All-to-all from head shards back to sequence shards; backward the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, sizes: list[int]) -> torch.Tensor:
+        ctx.axis, ctx.sizes = axis, sizes
+        return _heads_to_sequence(x, axis, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        heads = split_sizes(grad.shape[1], ctx.axis.size)
+        return all_to_all(grad, ctx.axis, 1, 2, heads, ctx.sizes), None, None
+
+
+def _heads_to_sequence(x: torch.Tensor, axis: AxisGroup, sizes: list[int]) -> torch.Tensor:
+    return all_to_all(x, axis, 2, 1, sizes, [x.shape[1]] * axis.size)
+
+
+def sequence_to_heads(x: torch.Tensor, axis: AxisGroup, sizes: Sequence[int]) -> torch.Tensor:
+    """(B, h, n_r, d) with rank r holding `sizes[r]` tokens -> (B, h/n, N, d): this rank's heads for every
+    token, in rank order (DeepSpeed-Ulysses' first all-to-all). h must be a multiple of the axis size."""
+    if axis.size == 1:
+        return x
+    assert x.shape[1] % axis.size == 0, f"{x.shape[1]} heads cannot be split over {axis.name}={axis.size}"
+    return _SequenceToHeads.apply(x, axis, list(sizes))
+
+
+def heads_to_sequence(x: torch.Tensor, axis: AxisGroup, sizes: Sequence[int]) -> torch.Tensor:
+    """The inverse of `sequence_to_heads`: (B, h/n, N, d) -> (B, h, n_r, d)."""
+    if axis.size == 1:
+        return x
+    return _HeadsToSequence.apply(x, axis, list(sizes))

@@ -39,7 +39,7 @@ FACTORS = {
     "dp_mode": ("ddp", "fsdp"),
     "precision": ("fp32", "bf16", "fp16"),
     "schedule": SCHEDULES,
-    "cp_attention": ("allgather", "ring"),
+    "cp_attention": ("allgather", "ring", "alltoall"),
     "sequence_parallel": (True, False),
     "activation_checkpointing": (False, True),
     "grad_accum_steps": (1, 2),

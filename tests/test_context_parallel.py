@@ -1,6 +1,6 @@
 """Context parallelism through `parallelize_context` (distributed/context/): the balancer, and models
 whose sequence is split over cp (alone and with tp) equal the serial model in output, loss, every weight
-gradient and greedy decoding, for both attention variants, in fp64 on gloo; a compiled cp block
+gradient and greedy decoding, for every attention variant, in fp64 on gloo; a compiled cp block
 equals the eager one."""
 
 from __future__ import annotations
@@ -88,16 +88,16 @@ def _check_gpt(grid, variant: str, sp: bool) -> None:
 
 
 def _check_compile(grid) -> None:
-    """A cp block compiles: allgather into one graph with no break, ring around the eager ring only;
-    compiled outputs and gradients equal eager ones."""
-    for variant in ("allgather", "ring"):
+    """A cp block compiles: allgather and alltoall into one graph with no break, ring around the eager ring
+    only; compiled outputs and gradients equal eager ones."""
+    for variant in ("allgather", "ring", "alltoall"):
         model = _parallel(_gpt(), grid, variant, sp=True)
         shards, block = model.context_shards, model.blocks[0]
         shards.enter(16, torch.device("cpu"))
         full = torch.randn(BATCH, 16, EMBED, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
         x = shards.shard(full, 1)
         explanation = torch._dynamo.explain(block)(x)
-        if variant == "allgather":
+        if variant in ("allgather", "alltoall"):
             assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
         else:  # the only breaks are the eager ring's (one per frame it is nested in)
             assert all("_ring" in r.reason for r in explanation.break_reasons), explanation.break_reasons
@@ -145,7 +145,7 @@ def _context_checks(rank: int, world_size: int, tp: int) -> None:
     if world_size == 2 or tp > 1:
         for sp in (False, True):
             _check_dropout_streams(grid, sp)
-    for variant in ("allgather", "ring"):
+    for variant in ("allgather", "ring", "alltoall"):
         for sp in ((False, True) if tp > 1 else (True,)):
             _check_vit(grid, variant, sp)
             _check_gpt(grid, variant, sp)

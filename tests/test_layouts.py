@@ -40,6 +40,8 @@ LAYOUTS = {
     "fsdp_tp2dp2": ["parallel=tp2", "parallel.dp=2", "parallel.dp_mode=fsdp"],
     "cp3": ["parallel.cp=3"],  # ViT: 128 patches split 43/43/42; LM: 2 x 3 chunks of 32 tokens do not fit
     "cp2": ["parallel=cp2"],
+    "cp2_alltoall": ["parallel=cp2", "parallel.cp_attention=alltoall"],
+    "cp4_alltoall": ["parallel.cp=4", "parallel.cp_attention=alltoall"],
     "tp2cp2_allgather": ["parallel=tp2cp2", "parallel.cp_attention=allgather"],
     "cp2dp2": ["parallel=cp2", "parallel.dp=2"],  # gradients summed over cp, averaged over dp, in one reduction
     "cp2_accum2_ckpt": ["parallel=cp2", "trainer.grad_accum_steps=2", "trainer.activation_checkpointing=true"],
@@ -55,12 +57,13 @@ LAYOUTS = {
 # Pipeline schedules: every one against the serial gradients in tests/test_pipeline.py; here GPipe, 1F1B,
 # interleaved 1F1B, ZBV x dp2 (with a resume, below), and 1F1B with the LM's tied embedding under tp and cp.
 VIT_LAYOUTS = ["dp2", "dp2_accum2", "fsdp_dp2", "fsdp_tp2dp2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
-               "pp2_1f1b", "pp2_interleaved"]
-GPT_LAYOUTS = ["dp2", "tp2", "cp2", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2", "pp2cp2"]
-# Llama (RMSNorm, SwiGLU, rotary, 4 query heads over 2 key/value heads, untied head): key/value heads split
-# (tp2), kept whole per group (tp4), grouped K/V around the ring (cp2) and gathered (tp2cp2), stages, FSDP.
+               "pp2_1f1b", "pp2_interleaved", "cp4_alltoall"]
+GPT_LAYOUTS = ["dp2", "tp2", "cp2", "cp2_alltoall", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2", "pp2cp2"]
+# Llama (RMSNorm, SwiGLU, rotary, 4 query heads over 2 key/value heads, untied head): key/value heads kept whole
+# per group (tp4), grouped K/V around the ring (cp2), repeated for the all-to-all (cp4) and gathered (tp2cp2),
+# stages, FSDP (split over tp2: the matrix's Llama cases).
 LLAMA = ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=4096", "trainer.global_batch_size=8"]
-LLAMA_LAYOUTS = ["tp2", "tp4", "cp2", "tp2cp2_allgather", "pp2tp2", "fsdp_dp2"]
+LLAMA_LAYOUTS = ["tp4", "cp2", "cp4_alltoall", "tp2cp2_allgather", "pp2tp2", "fsdp_dp2"]  # tp2: in the matrix
 
 
 def curves(run_dir):
@@ -273,12 +276,14 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
     run_dir = run_layout(tmp, layout, GPT, f"data.root={corpus_root}", *LAYOUTS[layout])
     assert_same_curve(reference, curves(run_dir))
     assert ("val/samples/text_summary" in read_tags(run_dir)["tensors"]) == (layout == "pp2tp2")
-    if layout == "cp2":  # exact: the ring's K/V blocks, the gradient all-reduce, the loss mean, the flags
+    if layout in ("cp2", "cp2_alltoall"):  # exact: the ring's K/V blocks or the all-to-alls of q, k, v and the
+        # output there and back, the gradient all-reduce, the loss mean, the flags
         cfg, _, _ = load_config([*GPT, f"data.root={corpus_root}"])
         params = sum(p.numel() for p in build_task(cfg).build_model().parameters())
         block = 8 * cfg.model.embed_dim * (cfg.data.seq_len // 2) * 4  # one rank's K (or V): B x D x S/cp, fp32
         ring = (2 * (2 - 1) + (4 * 2 - 2)) * block  # forward (cp-1) x 2 blocks, backward (4cp-2) blocks
-        want = cfg.model.depth * ring + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
+        alltoall = 2 * 4 * (2 - 1) * block // 2  # 4 tensors, forward and backward, (cp-1)/cp of each
+        want = cfg.model.depth * (ring if layout == "cp2" else alltoall) + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
         assert [v for _, v in read_scalars(run_dir)["comm/cp_bytes"]] == [want] * STEPS
 
 

@@ -57,7 +57,7 @@ class ParallelConfig:
     order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
     sequence_parallel: bool = True  # Megatron sequence parallelism for norms/dropout under tp
     sp_keep_gathered: bool = False  # SP: column-parallel layers save the gathered input (t x memory, 1 all-gather less)
-    cp_attention: str = "ring"  # ring | allgather: how attention reaches the other cp ranks' keys and values
+    cp_attention: str = "ring"  # ring | allgather | alltoall: how attention reaches the other cp ranks' keys and values
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
     pp_microbatches: int = 0  # microbatches per pipeline step (per grad_accum step); 0 = one per stage
     pp_stages_per_rank: int = 0  # stages per pp rank: 1 for gpipe/1f1b, 2 for zbv/dualpipev; 0 = that (2 for loops)
@@ -72,8 +72,8 @@ class ParallelConfig:
                     f"parallel.{name}", f"set parallel.{name}=1 or more")
         require(self.dp >= 0, f"dp must be >= 0, got {self.dp}", "parallel.dp", "use 0 to derive dp from the world size")
         parse_order(self.order)
-        require(self.cp_attention in ("ring", "allgather"), f"unknown cp_attention {self.cp_attention!r}",
-                "parallel.cp_attention", "choose ring or allgather")
+        require(self.cp_attention in ("ring", "allgather", "alltoall"), f"unknown cp_attention {self.cp_attention!r}",
+                "parallel.cp_attention", "choose ring, allgather or alltoall")
         require(self.pp_schedule in SCHEDULES, f"unknown pipeline schedule {self.pp_schedule!r}",
                 "parallel.pp_schedule", "choose one of " + ", ".join(SCHEDULES))
         for name in ("pp_microbatches", "pp_stages_per_rank"):

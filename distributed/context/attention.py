@@ -10,6 +10,14 @@ this tp rank; keys and values may have h/r heads, grouped-query attention), in t
   sends (cp-1)/cp x 2 x bytes(full K) forward and as much backward; it holds the full K and V.
 - `ring` (`distributed/context/ring.py`): K/V blocks travel around the ring while each rank computes
   blockwise attention with the log-sum-exp and merges exactly; the full K/V is never held.
+- `alltoall` (DeepSpeed-Ulysses, Jacobs et al. 2023; anemoi's sequence sharding): an all-to-all turns
+  q, k and v from sequence shards into head shards, (B, h/cp, N, d): each rank attends with plain SDPA
+  over the whole sequence for its h/cp heads (tokens put in sequence order first, so causal attention is
+  `is_causal` with no mask), and a second all-to-all turns the output back. Each all-to-all moves
+  (cp-1)/cp of its buffer: per layer and step, forward (cp-1)/cp x (bytes(q) + bytes(k) + bytes(v) +
+  bytes(out)) of this rank's shards, backward as much again. The heads of this rank (after tp) must be a
+  multiple of cp; grouped K/V heads that are not are repeated to the query heads first (then k and v
+  move as many bytes as q).
 
 Both return exactly what single-process attention gives for this rank's queries. Under torch.compile
 `allgather` traces into the block's one graph; `ring` runs eagerly between two graphs of the block.
@@ -23,9 +31,9 @@ from torch import nn
 
 from distributed.context.layout import ContextShards
 from distributed.context.ring import ring_attention
-from distributed.mappings import all_gather_region
+from distributed.mappings import all_gather_region, heads_to_sequence, sequence_to_heads
 
-VARIANTS = ("allgather", "ring")
+VARIANTS = ("allgather", "ring", "alltoall")
 
 
 @torch.compiler.disable
@@ -54,6 +62,8 @@ class ContextParallelAttention(nn.Module):
         shards = self.shards
         if self.variant == "ring":
             return _ring(q, k, v, shards, self.causal)
+        if self.variant == "alltoall":
+            return self._alltoall(q, k, v)
         k_all = all_gather_region(k, shards.axis, 2, shards.sizes)  # (B, h, N, d) in rank order
         v_all = all_gather_region(v, shards.axis, 2, shards.sizes)
         mask = None
@@ -62,6 +72,22 @@ class ContextParallelAttention(nn.Module):
         p = self.dropout if self.training else 0.0  # on a stream per shard: parallelize_context wraps it
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=p,
                                               enable_gqa=k.shape[1] != q.shape[1])
+
+    def _alltoall(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Head-sharded attention over the whole sequence between two all-to-alls (see the module doc)."""
+        shards, cp = self.shards, self.shards.axis.size
+        if k.shape[1] % cp:  # grouped K/V heads that cp does not divide: one copy per query head
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        q, k, v = (sequence_to_heads(t, shards.axis, shards.sizes) for t in (q, k, v))  # (B, h/cp, N, d), rank order
+        order = shards.order  # rank order -> sequence order (identity for the contiguous layout)
+        if order is not None:
+            q, k, v = (t.index_select(2, order) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        if order is not None:
+            out = out.index_select(2, shards.rank_order)
+        return heads_to_sequence(out, shards.axis, shards.sizes)
 
     def extra_repr(self) -> str:
         return f"cp={self.shards.axis.size}, causal={self.causal}, variant={self.variant}"

@@ -57,6 +57,16 @@ class ContextShards:
         self.sizes = [len(p) for p in self.positions]
 
     @property
+    def order(self) -> torch.Tensor | None:
+        """Indices that put tokens gathered in rank order into sequence order (None: already in it)."""
+        return self._order if self.balanced else None
+
+    @property
+    def rank_order(self) -> torch.Tensor:
+        """The inverse of `order`: the global positions of the tokens in rank order."""
+        return torch.cat(self.positions)
+
+    @property
     def local_positions(self) -> torch.Tensor:
         """Global positions of this rank's tokens, (N_local,)."""
         return self.positions[self.axis.rank]

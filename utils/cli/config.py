@@ -125,9 +125,9 @@ class Config:
     def __post_init__(self):
         model, tp, cp = self.model, self.parallel.tp, self.parallel.cp
         check_pairing(self)  # the registry of model families (utils/tasks/)
-        require(model.dropout == 0 or cp == 1 or self.parallel.cp_attention == "allgather",
+        require(model.dropout == 0 or cp == 1 or self.parallel.cp_attention != "ring",
                 f"model.dropout={model.dropout} with parallel.cp={cp}: ring attention has no dropout",
-                "parallel.cp_attention", "use parallel.cp_attention=allgather, or model.dropout=0")
+                "parallel.cp_attention", "use parallel.cp_attention=allgather or alltoall, or model.dropout=0")
         if self.parallel.pp > 1:
             self.check_pipeline()
         if self.parallel.dp_mode == "fsdp":
@@ -140,6 +140,10 @@ class Config:
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
                 "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
                 "multiple of parallel.tp")
+        require(cp == 1 or self.parallel.cp_attention != "alltoall" or model.num_heads % (tp * cp) == 0,
+                f"parallel.cp_attention=alltoall splits each tp rank's {model.num_heads // tp} heads over "
+                f"parallel.cp={cp}", "parallel.cp_attention", f"use a model.num_heads that is a multiple of tp x cp = "
+                f"{tp * cp}, or parallel.cp_attention=ring or allgather")
 
 
     def check_pipeline(self) -> None:
