@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed.collectives import split_sizes
-from distributed.context.ring import _block_mask, block_attention, merge, position_bounds, ring_attention
+from distributed.context import ring
+from distributed.context.ring import _block_mask, _hop_parts, block_attention, merge, position_bounds, ring_attention
 from tests.helpers import run_ranks
 from utils.comm import AxisGroup
 
@@ -62,7 +63,14 @@ def _check_case(axis: AxisGroup, n: int, causal: bool, balanced: bool, dtype: to
     sizes = [len(p) for p in positions]
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     axis.bytes_moved = 0
-    out = ring_attention(*local, axis, sizes, positions if causal else None)
+    chunk = n // (2 * axis.size) if balanced and n % (2 * axis.size) == 0 else None  # equal chunks: by chunk pair
+    pairs = []
+    counted = lambda q_, k_, *rest: pairs.append(q_.shape[-2] * k_.shape[-2]) or block_attention(q_, k_, *rest)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ring, "block_attention", counted)
+        out = ring_attention(*local, axis, sizes, positions if causal else None, chunk=chunk)
+    if chunk is not None:  # no wasted pair: 1/cp of causal attention plus the diagonal chunks' upper halves
+        assert sum(pairs) == (2 * axis.size + 1) * chunk ** 2
     accum = torch.float32 if dtype == torch.bfloat16 else dtype
     fwd_bytes, total_bytes = _expected_bytes(sizes, axis.rank, q.element_size(), accum.itemsize)
     assert axis.bytes_moved == fwd_bytes
@@ -106,6 +114,25 @@ def test_cp1_equals_sdpa(causal):
     assert axis.bytes_moved == 0
     for got, want in zip([out] + [t.grad for t in local], ref, strict=True):
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_balanced_causal_ring_computes_a_cp_th_of_the_work(cp):
+    """Query-key pairs each rank computes in forward (the backward recomputes the same ones), counted from the
+    parts each hop computes: by chunk pair (2cp + 1) c^2 on every rank, where causality needs 2cp c^2 + c
+    (tokens at or before each query) and masked whole blocks computed 4 c^2 cp (1.6x at cp=2, 1.9x at cp=8)."""
+    c = 6
+    positions = _positions(2 * cp * c, cp, balanced=True)
+    bounds = position_bounds(positions, [2 * c] * cp)
+
+    def pairs(rank: int, chunk) -> int:
+        parts = [p for source in range(cp) for p in _hop_parts(rank, source, chunk, positions, bounds, 1, "cpu")]
+        return sum((2 * c if rows is None else c) * (2 * c if keys is None else c) for rows, keys, _ in parts)
+
+    needed = [int(sum((p + 1).sum() for p in [positions[r]])) for r in range(cp)]
+    assert needed == [2 * cp * c * c + c] * cp
+    assert [pairs(r, c) for r in range(cp)] == [(2 * cp + 1) * c * c] * cp
+    assert [pairs(r, None) for r in range(cp)] == [4 * c * c * cp] * cp  # the generic rule: every block masked
 
 
 def test_block_split_and_merge_equals_one_block():

@@ -42,7 +42,7 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShar
     derives from the positions (Python ints) are not traceable. One graph break per attention layer."""
     if not causal:
         return ring_attention(q, k, v, shards.axis, shards.sizes, None)
-    return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions, shards.bounds)
+    return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions, shards.bounds, shards.chunk)
 
 
 class ContextParallelAttention(nn.Module):

@@ -55,6 +55,7 @@ class ContextShards:
             self._cache[key] = positions, torch.argsort(torch.cat(positions)), bounds
         self.positions, self._order, self.bounds = self._cache[key]  # bounds: (min, max) position per rank
         self.sizes = [len(p) for p in self.positions]
+        self.chunk = length // self.multiple if self.balanced else None  # tokens per chunk of the balanced layout
 
     @property
     def order(self) -> torch.Tensor | None:

@@ -25,6 +25,16 @@ sequence positions of rank s's tokens (identical list on every rank; any layout,
 one where rank r holds chunks r and 2cp-1-r of 2cp) and query i sees key j iff pos_q[i] >= pos_k[j].
 A block with no visible pair is skipped (no compute); a fully visible one runs without a mask.
 
+The balanced causal layout with equal chunks of c tokens (`chunk`; rank r holds chunks r and 2cp-1-r,
+what `distributed/context/layout.py` gives the language model) has every block partly visible, so the
+generic rule would compute all (2c)^2 pairs of each with a mask: 4c^2 x cp per rank where causality needs
+about 2c^2 x cp. It is computed by chunk pair instead (Megatron-core and TransformerEngine do the same):
+the own block as its first query chunk against its first key chunk (causal) and its second query chunk
+against both (the first fully, the second causally): 3c^2; a block from a lower rank: every local query
+against its first chunk only, 2c^2, no mask; from a higher rank: the second local query chunk against all
+of it, 2c^2, no mask. Per rank (2cp + 1) x c^2 pairs, 1/cp of the full causal attention's (2cp c)^2 / 2
+plus the diagonal chunks' share, the same on every rank; the bytes do not change.
+
 Precision: fp16/bf16 inputs are upcast per block and every sum (output, LSE, dQ, dK, dV) is float32,
 under torch.autocast too (the forward turns it off: the blocks compute as written, as the backward does);
 float32/float64 inputs compute natively. The output and gradients come back in the input dtype.
@@ -130,12 +140,49 @@ def _shapes(k: torch.Tensor, v: torch.Tensor, n: int) -> list[tuple[int, ...]]:
     return [(*k.shape[:-2], n, k.shape[-1]), (*v.shape[:-2], n, v.shape[-1])]
 
 
+Part = tuple  # (query chunk: None for every row, 0 or 1; key chunk: None for every key, or 0; mask or None)
+
+
+def _hop_parts(rank: int, source: int, chunk: int | None, positions, bounds, group: int, device) -> list[Part]:
+    """What this rank computes against the K/V block of rank `source`: the pairs of (query rows, keys) and
+    their masks. The generic layout: the whole block with its position mask, or nothing when no pair is
+    visible. The balanced causal layout with equal chunks (`chunk` tokens; rank r holds chunks r and
+    2cp-1-r), split by chunk pair as Megatron and TransformerEngine do: the own block causally (its first
+    query chunk against its first key chunk, its second against both); a lower source rank: every local
+    query against the source's first chunk; a higher one: the second local query chunk against all of it;
+    the last two without a mask. Every rank computes the same number of pairs."""
+    if chunk is None:
+        visible, mask = _block_mask(positions, bounds, rank, source, group)
+        return [(None, None, mask)] if visible else []
+    if source == rank:
+        tril = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+        below = torch.cat([torch.ones_like(tril), tril], dim=1)
+        return [(0, 0, tril.repeat(group, 1)), (1, None, below.repeat(group, 1))]
+    return [(None, 0, None)] if source < rank else [(1, None, None)]
+
+
+def _rows(x: torch.Tensor, group: int, part: int) -> torch.Tensor:
+    """A view of the rows of chunk `part` of every folded query head: (B, G, group, chunk, ...)."""
+    return x.unflatten(2, (group, 2, -1)).select(3, part)
+
+
+def _take(x: torch.Tensor, group: int, part: int | None) -> torch.Tensor:
+    """The query rows of chunk `part` (all rows for None), (B, G, rows, ...)."""
+    return x if part is None else _rows(x, group, part).flatten(2, 3)
+
+
+def _keys(x: torch.Tensor, part: int | None, chunk: int | None) -> torch.Tensor:
+    """The keys of chunk `part` of a K/V block (all keys for None)."""
+    return x if part is None else x.narrow(2, part * chunk, chunk)
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention over `axis`: K/V blocks around the ring forward, K/V and dK/dV backward."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
-                positions: list[torch.Tensor] | None, bounds: list[tuple[int, int] | None], group: int) -> torch.Tensor:
+                positions: list[torch.Tensor] | None, bounds: list[tuple[int, int] | None], group: int,
+                chunk: int | None) -> torch.Tensor:
         cp, rank, scale = axis.size, axis.rank, q.shape[-1] ** -0.5
         positions = None if positions is None else [p.to(q.device) for p in positions]
         dtype = compute_dtype(q.dtype)
@@ -149,20 +196,28 @@ class _RingAttention(torch.autograd.Function):
             for step in range(cp):
                 if step < cp - 1:  # start the next block's transfer, then compute on this one
                     arriving = ring_shift(kv, axis, _shapes(k, v, sizes[(rank - step - 1) % cp]), KV_TAG)
-                visible, mask = _block_mask(positions, bounds, rank, (rank - step) % cp, group)
-                if visible:
-                    out, lse = merge(out, lse, *block_attention(q, kv[0], kv[1], mask, scale))
+                for rows, keys, mask in _hop_parts(rank, (rank - step) % cp, chunk, positions, bounds, group, q.device):
+                    part = block_attention(_take(q, group, rows), _keys(kv[0], keys, chunk), _keys(kv[1], keys, chunk),
+                                           mask, scale)
+                    if rows is None:
+                        out, lse = merge(out, lse, *part)
+                    else:  # merge into the chunk's rows in place
+                        o_rows, l_rows = _rows(out, group, rows), _rows(lse, group, rows)
+                        merged = merge(o_rows.flatten(2, 3), l_rows.flatten(2, 3), *part)
+                        o_rows.copy_(merged[0].unflatten(2, (group, -1)))
+                        l_rows.copy_(merged[1].unflatten(2, (group, -1)))
                 if step < cp - 1:
                     kv = arriving()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.axis, ctx.sizes, ctx.positions, ctx.bounds, ctx.scale, ctx.group = axis, sizes, positions, bounds, scale, group
+        ctx.axis, ctx.sizes, ctx.positions, ctx.bounds, ctx.scale = axis, sizes, positions, bounds, scale
+        ctx.group, ctx.chunk = group, chunk
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, rank = ctx.axis.size, ctx.axis.rank
+        cp, rank, group, chunk = ctx.axis.size, ctx.axis.rank, ctx.group, ctx.chunk
         dtype = lse.dtype
         q_c, dout = q.to(dtype), dout.to(dtype)
         delta = (dout * out.to(dtype)).sum(dim=-1, keepdim=True)
@@ -173,10 +228,16 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv_arriving = ring_shift(kv, ctx.axis, _shapes(k, v, ctx.sizes[upstream]), KV_TAG)
             dk, dv = (t.new_zeros(t.shape, dtype=dtype) for t in kv)
-            visible, mask = _block_mask(ctx.positions, ctx.bounds, rank, source, ctx.group)
-            if visible:
-                dq_part, dk, dv = _block_backward(q_c, kv[0], kv[1], dout, delta, lse, mask, ctx.scale)
-                dq += dq_part
+            for rows, keys, mask in _hop_parts(rank, source, chunk, ctx.positions, ctx.bounds, group, q.device):
+                dq_part, dk_part, dv_part = _block_backward(
+                    _take(q_c, group, rows), _keys(kv[0], keys, chunk), _keys(kv[1], keys, chunk),
+                    _take(dout, group, rows), _take(delta, group, rows), _take(lse, group, rows), mask, ctx.scale)
+                if rows is None:
+                    dq += dq_part
+                else:
+                    _rows(dq, group, rows).add_(dq_part.unflatten(2, (group, -1)))
+                _keys(dk, keys, chunk).add_(dk_part)
+                _keys(dv, keys, chunk).add_(dv_part)
             if grads_arriving is not None:  # what the ranks before this one added to this block
                 dk_up, dv_up = grads_arriving()
                 dk, dv = dk + dk_up, dv + dv_up
@@ -184,7 +245,7 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv = kv_arriving()
         dk, dv = grads_arriving()  # this rank's own block, summed over every rank's queries
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def position_bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> list[tuple[int, int] | None]:
@@ -199,15 +260,17 @@ def position_bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> l
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
                    positions: list[torch.Tensor] | None,
-                   bounds: list[tuple[int, int] | None] | None = None) -> torch.Tensor:
+                   bounds: list[tuple[int, int] | None] | None = None, chunk: int | None = None) -> torch.Tensor:
     """Exact softmax attention (scale 1/sqrt(d)) of this rank's queries to the keys of every cp rank.
 
     q, k, v: this rank's shards (B, h, n_r, d), n_r = sizes[axis.rank] (k and v may have h/r heads:
     grouped-query attention, query head i reading kv head i // r). `positions`: None for
     non-causal attention, else the global positions of each rank's tokens (causal: query i sees key j
     iff pos_q[i] >= pos_k[j]). `bounds`: `position_bounds(positions, sizes)` when the caller keeps them
-    (computed here otherwise: on a GPU that reads the positions back, a sync). Returns (B, h, n_r, d) in
-    q's dtype; differentiable in q, k and v.
+    (computed here otherwise: on a GPU that reads the positions back, a sync). `chunk`: the positions are
+    the balanced causal layout with equal chunks of `chunk` tokens (rank r: chunks r and 2cp-1-r), computed
+    by chunk pair with no wasted pair (module doc). Returns (B, h, n_r, d) in q's dtype; differentiable in
+    q, k and v.
     """
     assert len(sizes) == axis.size and q.shape[-2] == k.shape[-2] == v.shape[-2] == sizes[axis.rank], \
         f"sizes {sizes} do not match the local length {q.shape[-2]} on rank {axis.rank} of {axis.name}"
@@ -217,5 +280,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis
     group = heads // k.shape[1]
     assert k.shape[1] * group == heads, f"{heads} query heads cannot read {k.shape[1]} key/value heads"
     q = q.unflatten(1, (k.shape[1], group)).flatten(2, 3)  # (B, h/r, r x n_r, d): a group's queries in a row
-    out = _RingAttention.apply(q, k, v, axis, list(sizes), positions, bounds, group)
+    assert chunk is None or (positions is not None and all(n == 2 * chunk for n in sizes)), "chunks must be equal"
+    out = _RingAttention.apply(q, k, v, axis, list(sizes), positions, bounds, group, chunk)
     return out.unflatten(2, (group, n)).flatten(1, 2)  # (B, h, n_r, d)

@@ -234,8 +234,12 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
         log.info(note)
     if grid.device.type == "cpu" and grid.size(Axis.TP) > 1 and cfg.parallel.sequence_parallel:
         log.info("on CPU/gloo, where each collective costs more than the bytes it moves, sequence parallelism's "
-                 "2.6x as many collectives made a tp2 step 1.3x slower than parallel.sequence_parallel=false "
-                 "(2026-11-22); set it false where activation memory allows")
+                 "extra collectives make a tp step slower than parallel.sequence_parallel=false (measured in "
+                 "docs/measurements.md); set it false where activation memory allows")
+    if cfg.precision.compile and grid.size(Axis.CP) > 1 and cfg.parallel.cp_attention == "ring":
+        log.info("precision.compile with parallel.cp_attention=ring: each block compiles around its ring attention, "
+                 "which runs eagerly (its point-to-point hops are not traceable): one graph break per attention "
+                 "layer; parallel.cp_attention=alltoall or allgather compile into one graph per block")
     share = grid.same_batch
     log.info(f"data: {task.describe()}" + (f"; training batches read by one rank of each tp x cp group of "
                                             f"{share.size} and broadcast to the others" if share.size > 1 else ""))
