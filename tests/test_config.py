@@ -61,6 +61,12 @@ def test_every_preset_composes():
     (["data.img_size=[4,4]", "parallel.cp=2"], "parallel.cp"),  # one patch over two ranks
     (["parallel.cp=2", "model.dropout=0.1"], "parallel.cp_attention"),  # the ring has no dropout
     (["parallel.cp_attention=striped"], "parallel.cp_attention"),
+    (["parallel.cp=8", "parallel.cp_attention=alltoall"], "parallel.cp_attention"),  # 4 heads over 8 ranks
+    (["parallel.cp=4", "parallel.cp_attention=hierarchical", "parallel.cp_a2a=3"], "parallel.cp_a2a"),  # 3 !| 4
+    (["parallel.cp=4", "parallel.cp_attention=hierarchical", "parallel.cp_a2a=4"], "parallel.cp_a2a"),  # no ring
+    (["model=llama_tiny", "data=wikitext_sample", "parallel.tp=3"], "parallel.tp"),  # 3 divides no head count
+    (["model=llama_tiny", "data=wikitext_sample", "model.embed_dim=96", "model.num_heads=6", "model.num_kv_heads=3",
+      "parallel.tp=2"], "parallel.tp"),  # 3 key/value heads: tp=2 neither divides them nor is a multiple
     (["parallel.dp_mode=fsdp", "parallel=pp2", "parallel.pp_schedule=zbv"], "parallel.dp_mode"),  # split backward
     (["parallel.dp_mode=fsdp", "precision=fp16"], "precision"),  # the scaler is unverified under FSDP2
     (["parallel.dp_mode=zero1"], "parallel.dp_mode"),

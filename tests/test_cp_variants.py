@@ -1,6 +1,6 @@
 """Every `parallel.cp_attention` variant at op level: `ContextParallelAttention` on cp=2 and 4 gloo ranks.
 
-For each variant (allgather, ring, alltoall), causal (the balanced layout) and non-causal (contiguous,
+For each variant (allgather, ring, alltoall; hierarchical at cp=4 as 2 groups of 2), causal (the balanced layout) and non-causal (contiguous,
 even and uneven lengths), with as many key/value heads as query heads and with grouped K/V (grouped-query
 attention), the output and dQ, dK, dV of each rank's own tokens equal serial SDPA over the full sequence
 within 1e-10 (float64); the all-to-all's bytes on the cp axis equal its docstring's formula.
@@ -27,7 +27,7 @@ def _reference(q, k, v, grad, causal: bool) -> list[torch.Tensor]:
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def _check(axis: AxisGroup, variant: str, n: int, causal: bool, kv_heads: int) -> None:
+def _check(axis: AxisGroup, variant: str, n: int, causal: bool, kv_heads: int, hierarchy=None) -> None:
     gen = torch.Generator().manual_seed(n + 10 * kv_heads + causal)
     q, grad = (torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(B, kv_heads, n, D, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -35,7 +35,7 @@ def _check(axis: AxisGroup, variant: str, n: int, causal: bool, kv_heads: int) -
     shards = ContextShards(axis, balanced=causal)
     shards.enter(n, torch.device("cpu"))
     local = [shards.shard(t, 2).detach().clone().requires_grad_() for t in (q, k, v)]
-    attention = ContextParallelAttention(shards, causal, variant)
+    attention = ContextParallelAttention(shards, causal, variant, hierarchy=hierarchy)
     before = int(axis.counter)
     out = attention(*local)
     out.backward(shards.shard(grad, 2))
@@ -47,16 +47,27 @@ def _check(axis: AxisGroup, variant: str, n: int, causal: bool, kv_heads: int) -
         kv = kv_heads if kv_heads % cp == 0 else H  # grouped K/V that cp does not divide travel repeated
         elements = B * longest * D * (H + 2 * kv + H)
         assert int(axis.counter) - before == 2 * (cp - 1) * elements * 8 // cp
+    if variant == "hierarchical":  # the all-to-alls inside the group, the flat ring's formula across the groups
+        inner, outer = hierarchy
+        a, g = inner.size, outer.size
+        members, sizes, _, _ = shards.groups(a)
+        kv = kv_heads if kv_heads % a == 0 else H
+        a2a = 2 * (a - 1) * B * max(members) * D * (H + 2 * kv + H) * 8 // a
+        block = [2 * B * (kv // a) * n * D * 8 for n in sizes]  # a group's K and V for this rank's heads
+        hops = [block[(outer.rank - s) % g] for s in range(g)]
+        assert int(axis.counter) - before == a2a + 2 * sum(hops[:-1]) + sum(hops)
 
 
 def _all_variants(rank: int, world: int) -> None:
     from utils.comm import ParallelConfig, init_grid
 
-    axis = init_grid(ParallelConfig(cp=world)).axis("cp")
-    for variant in VARIANTS:
+    grid = init_grid(ParallelConfig(cp=world, cp_attention="hierarchical" if world == 4 else "ring", cp_a2a=2))
+    axis = grid.axis("cp")
+    for variant in VARIANTS if world == 4 else [v for v in VARIANTS if v != "hierarchical"]:
+        hierarchy = grid.cp_hierarchy if variant == "hierarchical" else None
         for kv_heads in (H, H // 2, 1):
-            _check(axis, variant, 8 * world, True, kv_heads)  # balanced: 2cp chunks of 4 tokens
-            _check(axis, variant, 8 * world + 3, False, kv_heads)  # contiguous, uneven
+            _check(axis, variant, 8 * world, True, kv_heads, hierarchy)  # balanced: 2cp chunks of 4 tokens
+            _check(axis, variant, 8 * world + 3, False, kv_heads, hierarchy)  # contiguous, uneven
 
 
 def test_every_variant_equals_serial_attention_cp2(tmp_path):

@@ -42,6 +42,7 @@ LAYOUTS = {
     "cp2": ["parallel=cp2"],
     "cp2_alltoall": ["parallel=cp2", "parallel.cp_attention=alltoall"],
     "cp4_alltoall": ["parallel.cp=4", "parallel.cp_attention=alltoall"],
+    "cp4_hierarchical": ["parallel.cp=4", "parallel.cp_attention=hierarchical", "parallel.cp_a2a=2"],
     "tp2cp2_allgather": ["parallel=tp2cp2", "parallel.cp_attention=allgather"],
     "cp2dp2": ["parallel=cp2", "parallel.dp=2"],  # gradients summed over cp, averaged over dp, in one reduction
     "cp2_accum2_ckpt": ["parallel=cp2", "trainer.grad_accum_steps=2", "trainer.activation_checkpointing=true"],
@@ -57,8 +58,9 @@ LAYOUTS = {
 # Pipeline schedules: every one against the serial gradients in tests/test_pipeline.py; here GPipe, 1F1B,
 # interleaved 1F1B, ZBV x dp2 (with a resume, below), and 1F1B with the LM's tied embedding under tp and cp.
 VIT_LAYOUTS = ["dp2", "dp2_accum2", "fsdp_dp2", "fsdp_tp2dp2", "cp3", "tp2cp2_allgather", "cp2dp2", "pp2_gpipe",
-               "pp2_1f1b", "pp2_interleaved", "cp4_alltoall"]
-GPT_LAYOUTS = ["dp2", "tp2", "cp2", "cp2_alltoall", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2", "pp2cp2"]
+               "pp2_1f1b", "pp2_interleaved", "cp4_alltoall", "cp4_hierarchical"]
+GPT_LAYOUTS = ["dp2", "tp2", "cp2", "cp2_alltoall", "cp4_hierarchical", "tp2cp2_allgather", "cp2_accum2_ckpt", "pp2tp2",
+               "pp2cp2"]
 # Llama (RMSNorm, SwiGLU, rotary, 4 query heads over 2 key/value heads, untied head): key/value heads kept whole
 # per group (tp4), grouped K/V around the ring (cp2), repeated for the all-to-all (cp4) and gathered (tp2cp2),
 # stages, FSDP (split over tp2: the matrix's Llama cases).

@@ -38,6 +38,7 @@ class Axis(str, enum.Enum):
 
 
 AXES = tuple(Axis)
+CP_VARIANTS = ("ring", "allgather", "alltoall", "hierarchical")  # parallel.cp_attention (distributed/context/attention.py)
 # The grid's concepts by the axes they span; Grid.batch, .replicas, .same_batch and .metrics state the rules.
 BATCH_AXES, REPLICA_AXES, SAME_BATCH_AXES = (Axis.DP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP)
 METRIC_AXES = BATCH_AXES + (Axis.PP,)
@@ -57,7 +58,8 @@ class ParallelConfig:
     order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
     sequence_parallel: bool = True  # Megatron sequence parallelism for norms/dropout under tp
     sp_keep_gathered: bool = False  # SP: column-parallel layers save the gathered input (t x memory, 1 all-gather less)
-    cp_attention: str = "ring"  # ring | allgather | alltoall: how attention reaches the other cp ranks' keys and values
+    cp_attention: str = "ring"  # ring | allgather | alltoall | hierarchical: how attention reaches other cp ranks' K/V
+    cp_a2a: int = 2  # hierarchical: cp ranks per all-to-all group (the nearest ranks of the cp axis); a ring joins the groups
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
     pp_microbatches: int = 0  # microbatches per pipeline step (per grad_accum step); 0 = one per stage
     pp_stages_per_rank: int = 0  # stages per pp rank: 1 for gpipe/1f1b, 2 for zbv/dualpipev; 0 = that (2 for loops)
@@ -72,8 +74,12 @@ class ParallelConfig:
                     f"parallel.{name}", f"set parallel.{name}=1 or more")
         require(self.dp >= 0, f"dp must be >= 0, got {self.dp}", "parallel.dp", "use 0 to derive dp from the world size")
         parse_order(self.order)
-        require(self.cp_attention in ("ring", "allgather", "alltoall"), f"unknown cp_attention {self.cp_attention!r}",
-                "parallel.cp_attention", "choose ring, allgather or alltoall")
+        require(self.cp_attention in CP_VARIANTS, f"unknown cp_attention {self.cp_attention!r}",
+                "parallel.cp_attention", "choose " + ", ".join(CP_VARIANTS))
+        require(self.cp_attention != "hierarchical" or self.cp == 1 or (1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0),
+                f"parallel.cp_attention=hierarchical needs all-to-all groups of parallel.cp_a2a={self.cp_a2a} ranks that "
+                f"divide parallel.cp={self.cp} into two or more", "parallel.cp_a2a",
+                "set parallel.cp_a2a to a divisor of parallel.cp between 2 and cp/2 (e.g. the GPUs of a node)")
         require(self.pp_schedule in SCHEDULES, f"unknown pipeline schedule {self.pp_schedule!r}",
                 "parallel.pp_schedule", "choose one of " + ", ".join(SCHEDULES))
         for name in ("pp_microbatches", "pp_stages_per_rank"):
@@ -167,6 +173,7 @@ class Grid:
         self._axes: dict[str, AxisGroup] = {}
         self.frozen = False  # set by init_grid once the groups exist: no group is created later
         self._pipeline_ends: AxisGroup | None = None  # set by init_grid when pp > 2
+        self.cp_hierarchy: tuple[AxisGroup, AxisGroup] | None = None  # (all-to-all group, ring): cp_attention=hierarchical
 
     @classmethod
     def serial(cls, device: torch.device | None = None) -> Grid:
@@ -337,9 +344,29 @@ def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid
         grid.axis(*axes)  # creating a group is collective: every rank, same order, at start
     if sizes[Axis.PP] > 2:
         grid.pipeline_ends = _pipeline_ends(grid)
+    if cfg.cp_attention == "hierarchical" and sizes[Axis.CP] > 1:
+        grid.cp_hierarchy = _cp_hierarchy(grid, cfg.cp_a2a)
     grid.frozen = True
     return grid
 
+
+def _cp_hierarchy(grid: Grid, a2a: int) -> tuple[AxisGroup, AxisGroup]:
+    """This rank's two sub-groups of its cp group (cp rank c = g x a2a + i): the all-to-all group of the
+    a2a nearest ranks (g x a2a .. g x a2a + a2a - 1, rank i in it) and the ring of the ranks with the same i
+    in every group (rank g in it). Both count their bytes on the cp axis's counter (comm/cp_bytes). Created
+    for every cp group on every rank, in the same order (creating a group is collective)."""
+    cp = grid.axis(Axis.CP)
+    mine = {}
+    for ranks in grid.layout[Axis.CP]:
+        inner = [ranks[g * a2a:(g + 1) * a2a] for g in range(len(ranks) // a2a)]
+        outer = [ranks[i::a2a] for i in range(a2a)]
+        for kind, groups in (("cp_a2a", inner), ("cp_ring", outer)):
+            for members in groups:
+                group = dist.new_group(members)
+                if grid.global_rank in members:
+                    mine[kind] = AxisGroup(kind, len(members), members.index(grid.global_rank), group, members,
+                                           counter=cp.counter)
+    return mine["cp_a2a"], mine["cp_ring"]
 
 def _pipeline_ends(grid: Grid) -> AxisGroup | None:
     """The group of the first and last rank of this rank's pp group (None on the ranks between): the

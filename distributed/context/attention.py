@@ -18,6 +18,13 @@ this tp rank; keys and values may have h/r heads, grouped-query attention), in t
   bytes(out)) of this rank's shards, backward as much again. The heads of this rank (after tp) must be a
   multiple of cp; grouped K/V heads that are not are repeated to the query heads first (then k and v
   move as many bytes as q).
+- `hierarchical` (Megatron-core's a2a+p2p): the cp ranks form groups of `parallel.cp_a2a` nearest ranks
+  (one node's GPUs, by the axis order); an all-to-all inside each group turns its members' sequence
+  shards into head shards of the group's tokens, a ring across the groups (the ranks with the same
+  heads) runs ring attention on them, and an all-to-all turns the output back. The bulk (q, k, v and
+  out, (a-1)/a of them) moves inside a group; the ring moves the group's K/V for its h/a heads, (g-1)
+  hops of 1/a of what a flat ring of g x a ranks would move per hop. The ring runs the generic
+  position-masked blocks (a group's tokens span both halves of the balanced layout).
 
 Both return exactly what single-process attention gives for this rank's queries. Under torch.compile
 `allgather` traces into the block's one graph; `ring` runs eagerly between two graphs of the block.
@@ -32,8 +39,9 @@ from torch import nn
 from distributed.context.layout import ContextShards
 from distributed.context.ring import ring_attention
 from distributed.mappings import all_gather_region, heads_to_sequence, sequence_to_heads
+from utils.comm import CP_VARIANTS, AxisGroup
 
-VARIANTS = ("allgather", "ring", "alltoall")
+VARIANTS = CP_VARIANTS
 
 
 @torch.compiler.disable
@@ -45,18 +53,28 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShar
     return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions, shards.bounds, shards.chunk)
 
 
+@torch.compiler.disable
+def _hierarchical_ring(q, k, v, outer: AxisGroup, sizes: list[int], positions, bounds) -> torch.Tensor:
+    """The ring across the groups runs eagerly, as the flat ring does."""
+    return ring_attention(q, k, v, outer, sizes, positions, bounds if positions is not None else None)
+
+
 class ContextParallelAttention(nn.Module):
     """Drop-in for `networks.blocks.ScaledDotProductAttention` under context parallelism."""
 
-    def __init__(self, shards: ContextShards, causal: bool, variant: str, dropout: float = 0.0):
+    def __init__(self, shards: ContextShards, causal: bool, variant: str, dropout: float = 0.0,
+                 hierarchy: tuple[AxisGroup, AxisGroup] | None = None):
         super().__init__()
         assert variant in VARIANTS, variant
-        assert variant == "allgather" or dropout == 0, "ring attention has no dropout (refused by utils.cli.config)"
+        assert variant in ("allgather", "alltoall") or dropout == 0, "the ring has no dropout (refused by utils.cli.config)"
+        assert (variant == "hierarchical") == (hierarchy is not None), "hierarchical attention needs its two groups"
         self.shards, self.causal, self.variant, self.dropout = shards, causal, variant, dropout
+        self.hierarchy = hierarchy  # (all-to-all group, ring across the groups): utils.comm.Grid.cp_hierarchy
 
     @classmethod
-    def from_serial(cls, core: nn.Module, shards: ContextShards, variant: str) -> ContextParallelAttention:
-        return cls(shards, core.causal, variant, core.dropout)
+    def from_serial(cls, core: nn.Module, shards: ContextShards, variant: str,
+                    hierarchy: tuple[AxisGroup, AxisGroup] | None = None) -> ContextParallelAttention:
+        return cls(shards, core.causal, variant, core.dropout, hierarchy)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shards = self.shards
@@ -64,6 +82,8 @@ class ContextParallelAttention(nn.Module):
             return _ring(q, k, v, shards, self.causal)
         if self.variant == "alltoall":
             return self._alltoall(q, k, v)
+        if self.variant == "hierarchical":
+            return self._hierarchical(q, k, v)
         k_all = all_gather_region(k, shards.axis, 2, shards.sizes)  # (B, h, N, d) in rank order
         v_all = all_gather_region(v, shards.axis, 2, shards.sizes)
         mask = None
@@ -88,6 +108,16 @@ class ContextParallelAttention(nn.Module):
         if order is not None:
             out = out.index_select(2, shards.rank_order)
         return heads_to_sequence(out, shards.axis, shards.sizes)
+
+    def _hierarchical(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """All-to-all inside the group of nearby ranks, ring across the groups, all-to-all back."""
+        inner, outer = self.hierarchy
+        members, sizes, positions, bounds = self.shards.groups(inner.size)
+        if k.shape[1] % inner.size:  # grouped K/V heads the group does not divide: one copy per query head
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        q, k, v = (sequence_to_heads(t, inner, members) for t in (q, k, v))  # (B, h/a, the group's tokens, d)
+        out = _hierarchical_ring(q, k, v, outer, sizes, positions if self.causal else None, bounds)
+        return heads_to_sequence(out, inner, members)
 
     def extra_repr(self) -> str:
         return f"cp={self.shards.axis.size}, causal={self.causal}, variant={self.variant}"

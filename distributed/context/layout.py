@@ -40,6 +40,7 @@ class ContextShards:
         self.axis, self.balanced = axis, balanced
         self.multiple = 2 * axis.size if balanced else 1  # a sequence length must be a multiple of this
         self._cache: dict[tuple[int, str], tuple[list[torch.Tensor], torch.Tensor, list]] = {}
+        self._groups: dict[tuple[int, int], tuple] = {}  # hierarchical attention's group layouts (`groups`)
 
     def enter(self, length: int, device: torch.device) -> None:
         """Fix the layout for sequences of `length` tokens on `device`."""
@@ -56,6 +57,23 @@ class ContextShards:
         self.positions, self._order, self.bounds = self._cache[key]  # bounds: (min, max) position per rank
         self.sizes = [len(p) for p in self.positions]
         self.chunk = length // self.multiple if self.balanced else None  # tokens per chunk of the balanced layout
+
+    def groups(self, a2a: int) -> tuple[list[int], list[int], list[torch.Tensor] | None, list]:
+        """For all-to-all groups of `a2a` consecutive cp ranks joined by a ring: (the token counts of this
+        rank's group members, each group's token count, each group's global positions (its members' in
+        rank order; None for the contiguous layout of non-causal models), their bounds). Cached per length."""
+        key = (sum(self.sizes), a2a)
+        cache = self._groups
+        if key not in cache:
+            count = self.axis.size // a2a
+            members = [list(range(g * a2a, (g + 1) * a2a)) for g in range(count)]
+            sizes = [sum(self.sizes[r] for r in m) for m in members]
+            positions = [torch.cat([self.positions[r] for r in m]) for m in members] if self.balanced else None
+            host = None if positions is None else [p.cpu() for p in positions]
+            cache[key] = sizes, positions, position_bounds(host, sizes)
+        group = self.axis.rank // a2a
+        sizes, positions, bounds = cache[key]
+        return [self.sizes[r] for r in range(group * a2a, (group + 1) * a2a)], sizes, positions, bounds
 
     @property
     def order(self) -> torch.Tensor | None:

@@ -87,7 +87,9 @@ def parallelize_context(model: ParallelModel, *, grid: Grid, variant: str) -> nn
     plan = model.parallel_plan()
     causal = any(_core(part.module.attend).causal for part in plan.in_blocks(model, "attention"))
     shards = ContextShards(axis, balanced=causal)
-    _swap_attention_and_dropouts(model, plan, shards, variant, grid.axis(Axis.TP))
+    hierarchy = grid.cp_hierarchy if variant == "hierarchical" else None
+    assert variant != "hierarchical" or hierarchy is not None, "init_grid builds the hierarchy's groups at start"
+    _swap_attention_and_dropouts(model, plan, shards, variant, grid.axis(Axis.TP), hierarchy)
     if not _swap_regions(model, shards):
         criterion = plan.outside(model, plan.criterion)
         criterion.replace(ContextParallelLoss(criterion.module, shards))
@@ -104,11 +106,11 @@ def _core(module: nn.Module) -> nn.Module:
 
 
 def _swap_attention_and_dropouts(model: nn.Module, plan: ParallelPlan, shards: ContextShards, variant: str,
-                                 tp: AxisGroup) -> None:
+                                 tp: AxisGroup, hierarchy) -> None:
     """cp attention cores reading the token layout; per-shard dropout streams inside the region."""
     cp = shards.axis
     for part in plan.in_blocks(model, "attention"):
-        core = ContextParallelAttention.from_serial(_core(part.module.attend), shards, variant)
+        core = ContextParallelAttention.from_serial(_core(part.module.attend), shards, variant, hierarchy)
         part.module.attend = per_shard(core, (tp, cp))
         part.module.positions = shards
     for part in plan.in_blocks(model, "dropouts"):  # tokens split over cp (and over tp under sequence parallelism)

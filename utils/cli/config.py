@@ -125,7 +125,7 @@ class Config:
     def __post_init__(self):
         model, tp, cp = self.model, self.parallel.tp, self.parallel.cp
         check_pairing(self)  # the registry of model families (utils/tasks/)
-        require(model.dropout == 0 or cp == 1 or self.parallel.cp_attention != "ring",
+        require(model.dropout == 0 or cp == 1 or self.parallel.cp_attention in ("allgather", "alltoall"),
                 f"model.dropout={model.dropout} with parallel.cp={cp}: ring attention has no dropout",
                 "parallel.cp_attention", "use parallel.cp_attention=allgather or alltoall, or model.dropout=0")
         if self.parallel.pp > 1:
@@ -140,10 +140,11 @@ class Config:
         require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
                 "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
                 "multiple of parallel.tp")
-        require(cp == 1 or self.parallel.cp_attention != "alltoall" or model.num_heads % (tp * cp) == 0,
-                f"parallel.cp_attention=alltoall splits each tp rank's {model.num_heads // tp} heads over "
-                f"parallel.cp={cp}", "parallel.cp_attention", f"use a model.num_heads that is a multiple of tp x cp = "
-                f"{tp * cp}, or parallel.cp_attention=ring or allgather")
+        split = {"alltoall": cp, "hierarchical": self.parallel.cp_a2a}.get(self.parallel.cp_attention, 1)
+        require(cp == 1 or model.num_heads % (tp * split) == 0,
+                f"parallel.cp_attention={self.parallel.cp_attention} splits each tp rank's {model.num_heads // tp} heads "
+                f"over {split} ranks", "parallel.cp_attention", f"use a model.num_heads that is a multiple of "
+                f"{tp * split}, or parallel.cp_attention=ring or allgather")
 
 
     def check_pipeline(self) -> None:

@@ -236,8 +236,9 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
         log.info("on CPU/gloo, where each collective costs more than the bytes it moves, sequence parallelism's "
                  "extra collectives make a tp step slower than parallel.sequence_parallel=false (measured in "
                  "docs/measurements.md); set it false where activation memory allows")
-    if cfg.precision.compile and grid.size(Axis.CP) > 1 and cfg.parallel.cp_attention == "ring":
-        log.info("precision.compile with parallel.cp_attention=ring: each block compiles around its ring attention, "
+    if cfg.precision.compile and grid.size(Axis.CP) > 1 and cfg.parallel.cp_attention in ("ring", "hierarchical"):
+        log.info(f"precision.compile with parallel.cp_attention={cfg.parallel.cp_attention}: each block compiles "
+                 "around its ring attention, "
                  "which runs eagerly (its point-to-point hops are not traceable): one graph break per attention "
                  "layer; parallel.cp_attention=alltoall or allgather compile into one graph per block")
     share = grid.same_batch
