@@ -76,9 +76,9 @@ class ParallelConfig:
         parse_order(self.order)
         require(self.cp_attention in CP_VARIANTS, f"unknown cp_attention {self.cp_attention!r}",
                 "parallel.cp_attention", "choose " + ", ".join(CP_VARIANTS))
-        require(self.cp_attention != "hierarchical" or self.cp == 1 or (1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0),
-                f"parallel.cp_attention=hierarchical needs all-to-all groups of parallel.cp_a2a={self.cp_a2a} ranks that "
-                f"divide parallel.cp={self.cp} into two or more", "parallel.cp_a2a",
+        groups_fit = 1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0
+        require(self.cp_attention != "hierarchical" or self.cp == 1 or groups_fit, "parallel.cp_attention=hierarchical "
+                f"needs groups of parallel.cp_a2a={self.cp_a2a} ranks that divide parallel.cp={self.cp} into two or more", "parallel.cp_a2a",
                 "set parallel.cp_a2a to a divisor of parallel.cp between 2 and cp/2 (e.g. the GPUs of a node)")
         require(self.pp_schedule in SCHEDULES, f"unknown pipeline schedule {self.pp_schedule!r}",
                 "parallel.pp_schedule", "choose one of " + ", ".join(SCHEDULES))
@@ -298,10 +298,7 @@ class Grid:
 
     def describe(self) -> str:
         """Human-readable layout: the signature, then the groups of each axis."""
-        lines = [self.signature]
-        for axis in self.order:
-            lines.append(f"  {axis.value} groups: {self.layout[axis]}")
-        return "\n".join(lines)
+        return "\n".join([self.signature, *(f"  {a.value} groups: {self.layout[a]}" for a in self.order)])
 
 
 def layout_name(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> str:
@@ -311,8 +308,7 @@ def layout_name(sizes: dict[Axis, int], order: tuple[Axis, ...]) -> str:
 
 def check_grid(cfg: ParallelConfig, env: LaunchEnv | None = None) -> dict[Axis, int]:
     """The axis sizes for the launch environment, validated without initializing anything."""
-    env = env or launch_env()
-    return resolve_sizes(cfg, env.world_size)
+    return resolve_sizes(cfg, (env or launch_env()).world_size)
 
 
 def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid:
@@ -351,10 +347,9 @@ def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid
 
 
 def _cp_hierarchy(grid: Grid, a2a: int) -> tuple[AxisGroup, AxisGroup]:
-    """This rank's two sub-groups of its cp group (cp rank c = g x a2a + i): the all-to-all group of the
-    a2a nearest ranks (g x a2a .. g x a2a + a2a - 1, rank i in it) and the ring of the ranks with the same i
-    in every group (rank g in it). Both count their bytes on the cp axis's counter (comm/cp_bytes). Created
-    for every cp group on every rank, in the same order (creating a group is collective)."""
+    """This rank's (all-to-all group, ring) in its cp group, cp rank c = g x a2a + i: the a2a nearest ranks of
+    group g, and the ranks with the same i in every group; counted on the cp axis (comm/cp_bytes). Every
+    rank creates every group, in the same order (creating a group is collective)."""
     cp = grid.axis(Axis.CP)
     mine = {}
     for ranks in grid.layout[Axis.CP]:
