@@ -1,8 +1,9 @@
-"""Attention over a sequence split across the cp ranks: the two variants of `parallel.cp_attention`.
+"""Attention over a sequence split across the cp ranks: the four variants of `parallel.cp_attention`.
 
 Each rank holds the queries, keys and values of its own tokens, (B, h, N_local, d) (h = the heads of
 this tp rank; keys and values may have h/r heads, grouped-query attention), in the layout of
-`distributed/context/layout.py`. Both variants move the grouped K/V, never copies per query head.
+`distributed/context/layout.py`. Every variant moves grouped K/V as it is (the all-to-alls repeat it
+only when their group size does not divide its heads).
 
 - `allgather` (the NERSC seed's semantics): forward all-gathers K and V over cp (`all_gather_region`:
   backward reduce-scatters their gradients) and runs SDPA of the local queries against the full
@@ -22,12 +23,13 @@ this tp rank; keys and values may have h/r heads, grouped-query attention), in t
   (one node's GPUs, by the axis order); an all-to-all inside each group turns its members' sequence
   shards into head shards of the group's tokens, a ring across the groups (the ranks with the same
   heads) runs ring attention on them, and an all-to-all turns the output back. The bulk (q, k, v and
-  out, (a-1)/a of them) moves inside a group; the ring moves the group's K/V for its h/a heads, (g-1)
-  hops of 1/a of what a flat ring of g x a ranks would move per hop. The ring runs the generic
+  out, (a-1)/a of them) moves inside a group; across groups the ring makes g-1 hops (g = cp/a) instead of
+  cp-1, each the size of a flat ring's hop (h/a heads of a times the tokens). The ring runs the generic
   position-masked blocks (a group's tokens span both halves of the balanced layout).
 
-Both return exactly what single-process attention gives for this rank's queries. Under torch.compile
-`allgather` traces into the block's one graph; `ring` runs eagerly between two graphs of the block.
+Each returns exactly what single-process attention gives for this rank's queries. Under torch.compile
+`allgather` and `alltoall` trace into the block's one graph; `ring` (and the hierarchical variant's ring)
+runs eagerly between two graphs of the block.
 """
 
 from __future__ import annotations
