@@ -169,8 +169,10 @@ def test_a_killed_data_worker_ends_the_run(tmp_path, era5_root, jobs):
     assert len(workers) == 2, (servers, processes)
     os.kill(workers[0], signal.SIGKILL)
     assert job.wait(60) not in (0, EXIT_PREEMPTED)
-    # the rank learns it at its next fetch, from the loader or from the dead worker's queue (timing decides)
-    assert "exited unexpectedly" in job.output or "Connection reset by peer" in job.output, job.output[-2000:]
+    # the rank learns it at its next fetch, from the loader, from the dead worker's queue, or from the socket the
+    # dead worker shared a batch's file descriptor on (timing decides)
+    signs = ("exited unexpectedly", "Connection reset by peer", "Connection refused")
+    assert any(sign in job.output for sign in signs), job.output[-2000:]
     assert not left_after(job.marker, 5)
 
 
