@@ -5,7 +5,7 @@
   (`from_pretrained` of the folder written); greedy generation gives the same tokens.
 - The workflow: a Hugging Face folder (weights and a tokenizer) -> import-hf -> a fine-tune under tp2 x pp2 on
   the sample corpus read with that tokenizer -> export-hf -> `from_pretrained` gives our one-process logits.
-- An imported model trains under tp2, pp2, cp2 and fsdp dp2 on the single-process curve (trainer.init_from=DIR).
+- An imported model trains under tp2, cp2, fsdp dp2 (and tp2 x pp2 above) on the single-process curve.
 - Bad folders and mismatched settings: one line, exit 2.
 """
 
@@ -161,9 +161,10 @@ def test_import_finetune_tp2pp2_export_loads_in_transformers(pretrained, single,
     assert theirs.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|end_of_text|>") is not None
 
 
-@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=pp2"], ["parallel=cp2"],
-                                    ["parallel.dp=2", "parallel.dp_mode=fsdp"]], ids=["tp2", "pp2", "cp2", "fsdp_dp2"])
+@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=cp2"], ["parallel.dp=2", "parallel.dp_mode=fsdp"]],
+                         ids=["tp2", "cp2", "fsdp_dp2"])
 def test_a_pretrained_model_trains_under_every_layout(pretrained, single, tmp_path, layout):
+    """From the folder under tp2, cp2 and FSDP (pp: the tp2 x pp2 test above, from the imported checkpoint)."""
     args, reference = single
     run_dir = run([*args, *layout, f"trainer.init_from={pretrained}"], tmp_path / "run")
     assert curve(run_dir) == pytest.approx(reference, rel=1e-4)
