@@ -5,7 +5,7 @@
   (`from_pretrained` of the folder written); greedy generation gives the same tokens.
 - The workflow: a Hugging Face folder (weights and a tokenizer) -> import-hf -> a fine-tune under tp2 x pp2 on
   the sample corpus read with that tokenizer -> export-hf -> `from_pretrained` gives our one-process logits.
-- An imported model trains under tp2, cp2, fsdp dp2 (and tp2 x pp2 above) on the single-process curve.
+- A pretrained model trains from its folder under tp2 x pp2, cp2 and fsdp dp2 on the single-process curve.
 - Bad folders and mismatched settings: one line, exit 2.
 """
 
@@ -161,10 +161,11 @@ def test_import_finetune_tp2pp2_export_loads_in_transformers(pretrained, single,
     assert theirs.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|end_of_text|>") is not None
 
 
-@pytest.mark.parametrize("layout", [["parallel=tp2"], ["parallel=cp2"], ["parallel.dp=2", "parallel.dp_mode=fsdp"]],
-                         ids=["tp2", "cp2", "fsdp_dp2"])
+@pytest.mark.parametrize("layout", [["parallel=pp2", "parallel.tp=2"], ["parallel=cp2"],
+                                    ["parallel.dp=2", "parallel.dp_mode=fsdp"]], ids=["tp2pp2", "cp2", "fsdp_dp2"])
 def test_a_pretrained_model_trains_under_every_layout(pretrained, single, tmp_path, layout):
-    """From the folder under tp2, cp2 and FSDP (pp: the tp2 x pp2 test above, from the imported checkpoint)."""
+    """From the folder itself (each rank cuts its tp shard, its stages, its FSDP shard) under tp2 x pp2, cp2 and
+    FSDP; the test above starts tp2 x pp2 from import-hf's checkpoint instead."""
     args, reference = single
     run_dir = run([*args, *layout, f"trainer.init_from={pretrained}"], tmp_path / "run")
     assert curve(run_dir) == pytest.approx(reference, rel=1e-4)
@@ -178,7 +179,6 @@ def one_line(code: int, err: str, *needles: str) -> None:
 
 
 def test_bad_folders_are_refused_with_one_line(tmp_path):
-    good = save(hf_model("llama_tied"), tmp_path / "good")
     cases = {}
     other = save(hf_model("llama_tied"), tmp_path / "bert")
     config = json.loads((other / "config.json").read_text())
@@ -198,7 +198,7 @@ def test_bad_folders_are_refused_with_one_line(tmp_path):
     for name, (folder, needle) in cases.items():
         code, _, err = run_main("utils.checkpoints.export", "import-hf", str(folder), str(tmp_path / f"run_{name}"))
         one_line(code, err, needle)
-    assert (good / "config.json").is_file()
+        assert not (tmp_path / f"run_{name}" / "checkpoints").exists()  # refused before writing anything
 
 
 def test_init_from_a_folder_of_another_model_is_refused_before_work(pretrained, corpus_root, tmp_path):

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed.data_parallel import sync_partial_grads
-from distributed.tensor.layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                       SequenceShards, shard)
+from distributed.tensor.layers import (ColumnParallelLinear, GroupedQKVParallelLinear, RowParallelLinear,
+                                       SequenceParallelLayerNorm, SequenceShards, shard)
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.transformer import CausalLMLoss
 from tests.helpers import run_ranks
@@ -82,6 +82,27 @@ def _check_row(grid, axis, sp: bool, input_is_parallel: bool) -> None:
     assert layer.sharded_params == ("weight",) and layer.partial_grad_axes == ((axis,) if sp else ())
 
 
+def _check_grouped_qkv(grid, axis, sp: bool) -> None:
+    """Grouped-query QKV with one key/value group over every tp rank: each rank computes its query heads' rows
+    and the group's k and v rows; its cotangent on those k, v rows is its part (1/tp here) of the serial one, as
+    attention over its own heads gives it. After the partial-gradient sum every rank holds the serial gradient."""
+    heads, head_dim = 4, 2  # one group: 4 query heads, then k and v
+    serial = _serial_linear(D_IN, (heads + 2) * head_dim, seed=16)
+    x, g = _randn(B, N, D_IN, seed=17), _randn(B, N, (heads + 2) * head_dim, seed=18)
+    y_ref, dx_ref, dw_ref = _serial_run(serial, x, g)
+    shards = SequenceShards(axis)
+    shards.enter(N)
+    layer = GroupedQKVParallelLinear(serial, axis, 1, heads, head_dim, sequence_parallel=sp, shards=shards)
+    assert layer.q_local == heads // axis.size and len(layer.rows) == (layer.q_local + 2) * head_dim
+    kv = torch.arange(len(layer.rows)) >= layer.q_local * head_dim
+    cotangent = torch.where(kv, g[..., layer.rows] / axis.size, g[..., layer.rows])
+    y, dx = _parallel_run(layer, shard(x, axis, 1) if sp else x, lambda _: cotangent, grid)
+    close(y, y_ref[..., layer.rows])
+    close(dx, shard(dx_ref, axis, 1) if sp else dx_ref)
+    close(layer.weight.grad, dw_ref["weight"])
+    close(layer.bias.grad, dw_ref["bias"])
+
+
 def _check_layer_norm(grid, axis) -> None:
     serial = nn.LayerNorm(D_IN, dtype=torch.float64)
     with torch.no_grad():  # non-trivial affine weights
@@ -137,6 +158,7 @@ def _layer_checks(rank: int, world_size: int) -> None:
         for input_is_parallel in (True, False):
             _check_row(grid, axis, sp, input_is_parallel)
         _check_embedding(axis, sp)
+        _check_grouped_qkv(grid, axis, sp)
     _check_layer_norm(grid, axis)
     for offset in (0.0, 200.0):
         _check_cross_entropy(axis, offset)

@@ -278,15 +278,26 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
     run_dir = run_layout(tmp, layout, GPT, f"data.root={corpus_root}", *LAYOUTS[layout])
     assert_same_curve(reference, curves(run_dir))
     assert ("val/samples/text_summary" in read_tags(run_dir)["tensors"]) == (layout == "pp2tp2")
-    if layout in ("cp2", "cp2_alltoall"):  # exact: the ring's K/V blocks or the all-to-alls of q, k, v and the
-        # output there and back, the gradient all-reduce, the loss mean, the flags
-        cfg, _, _ = load_config([*GPT, f"data.root={corpus_root}"])
-        params = sum(p.numel() for p in build_task(cfg).build_model().parameters())
-        block = 8 * cfg.model.embed_dim * (cfg.data.seq_len // 2) * 4  # one rank's K (or V): B x D x S/cp, fp32
-        ring = (2 * (2 - 1) + (4 * 2 - 2)) * block  # forward (cp-1) x 2 blocks, backward (4cp-2) blocks
-        alltoall = 2 * 4 * (2 - 1) * block // 2  # 4 tensors, forward and backward, (cp-1)/cp of each
-        want = cfg.model.depth * (ring if layout == "cp2" else alltoall) + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
+    if layout in ("cp2", "cp2_alltoall"):
+        want = cp2_step_bytes(GPT, corpus_root, LAYOUTS[layout])
         assert [v for _, v in read_scalars(run_dir)["comm/cp_bytes"]] == [want] * STEPS
+
+
+def cp2_step_bytes(workload: list[str], root, layout: list[str]) -> int:
+    """What a cp=2 rank sends per step, exactly: the ring's K/V blocks (forward (cp-1) x 2, backward (4cp-2))
+    or the all-to-alls of q, k, v and the output there and back ((cp-1)/cp of each), per layer; the gradient
+    all-reduce, the loss mean and the two flags. K/V hold the model's key/value heads (grouped ones travel
+    grouped, not copied per query head)."""
+    cfg, _, _ = load_config([*workload, f"data.root={root}", *layout])
+    model, cp = cfg.model, 2
+    params = sum(p.numel() for p in build_task(cfg).build_model().parameters())
+    tokens = 8 * (cfg.data.seq_len // cp) * 4  # batch x a rank's tokens x fp32 bytes
+    q, kv = tokens * model.embed_dim, tokens * model.kv_heads * (model.embed_dim // model.num_heads)
+    if cfg.parallel.cp_attention == "ring":
+        attention = (2 * (cp - 1) + (4 * cp - 2)) * kv
+    else:
+        attention = 2 * (cp - 1) * (2 * q + 2 * kv) // cp
+    return model.depth * attention + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
 
 
 @pytest.fixture(scope="module")
@@ -300,13 +311,8 @@ def test_llama_layouts_follow_the_single_process_curve(layout, llama_reference, 
     reference, tmp = llama_reference
     run_dir = run_layout(tmp, layout, LLAMA, f"data.root={corpus_root}", *LAYOUTS[layout])
     assert_same_curve(reference, curves(run_dir))
-    if layout == "cp2":  # exact: the ring moves the grouped K/V (2 of 4 heads), not copies per query head
-        cfg, _, _ = load_config([*LLAMA, f"data.root={corpus_root}"])
-        params = sum(p.numel() for p in build_task(cfg).build_model().parameters())
-        head_dim = cfg.model.embed_dim // cfg.model.num_heads
-        block = 8 * cfg.model.num_kv_heads * head_dim * (cfg.data.seq_len // 2) * 4  # one rank's K (or V), fp32
-        ring = (2 * (2 - 1) + (4 * 2 - 2)) * block
-        want = cfg.model.depth * ring + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
+    if layout == "cp2":  # the ring moves the grouped K/V (2 of 4 heads), not copies per query head
+        want = cp2_step_bytes(LLAMA, corpus_root, LAYOUTS[layout])
         assert [v for _, v in read_scalars(run_dir)["comm/cp_bytes"]] == [want] * STEPS
 
 

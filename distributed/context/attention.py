@@ -58,7 +58,7 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShar
 @torch.compiler.disable
 def _hierarchical_ring(q, k, v, outer: AxisGroup, sizes: list[int], positions, bounds) -> torch.Tensor:
     """The ring across the groups runs eagerly, as the flat ring does."""
-    return ring_attention(q, k, v, outer, sizes, positions, bounds if positions is not None else None)
+    return ring_attention(q, k, v, outer, sizes, positions, bounds)
 
 
 class ContextParallelAttention(nn.Module):
@@ -90,7 +90,7 @@ class ContextParallelAttention(nn.Module):
         v_all = all_gather_region(v, shards.axis, 2, shards.sizes)
         mask = None
         if self.causal:  # query i sees key j iff pos(i) >= pos(j); keys are in rank order
-            mask = shards.local_positions[:, None] >= torch.cat(shards.positions)[None, :]
+            mask = shards.local_positions[:, None] >= shards.rank_order[None, :]
         p = self.dropout if self.training else 0.0  # on a stream per shard: parallelize_context wraps it
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=p,
                                               enable_gqa=k.shape[1] != q.shape[1])

@@ -39,7 +39,7 @@ class ContextShards:
     def __init__(self, axis: AxisGroup, balanced: bool):
         self.axis, self.balanced = axis, balanced
         self.multiple = 2 * axis.size if balanced else 1  # a sequence length must be a multiple of this
-        self._cache: dict[tuple[int, str], tuple[list[torch.Tensor], torch.Tensor, list]] = {}
+        self._cache: dict[tuple[int, str], tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list]] = {}
         self._groups: dict[tuple[int, int], tuple] = {}  # hierarchical attention's group layouts (`groups`)
 
     def enter(self, length: int, device: torch.device) -> None:
@@ -53,8 +53,10 @@ class ContextShards:
             host = chunk_positions(length, self.axis.size, self.balanced)
             positions = [p.to(device) for p in host]
             bounds = position_bounds(host, [len(p) for p in host])  # on the host: no device sync per layer
-            self._cache[key] = positions, torch.argsort(torch.cat(positions)), bounds
-        self.positions, self._order, self.bounds = self._cache[key]  # bounds: (min, max) position per rank
+            rank_order = torch.cat(positions)
+            self._cache[key] = positions, torch.argsort(rank_order), rank_order, bounds
+        # bounds: (min, max) position per rank; rank_order: the global position of every token in rank order
+        self.positions, self._order, self.rank_order, self.bounds = self._cache[key]
         self.sizes = [len(p) for p in self.positions]
         self.chunk = length // self.multiple if self.balanced else None  # tokens per chunk of the balanced layout
 
@@ -79,11 +81,6 @@ class ContextShards:
     def order(self) -> torch.Tensor | None:
         """Indices that put tokens gathered in rank order into sequence order (None: already in it)."""
         return self._order if self.balanced else None
-
-    @property
-    def rank_order(self) -> torch.Tensor:
-        """The inverse of `order`: the global positions of the tokens in rank order."""
-        return torch.cat(self.positions)
 
     @property
     def local_positions(self) -> torch.Tensor:

@@ -58,6 +58,8 @@ and dK/dV come out summed over the group's queries.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distributed.collectives import ring_shift
@@ -155,10 +157,17 @@ def _hop_parts(rank: int, source: int, chunk: int | None, positions, bounds, gro
         visible, mask = _block_mask(positions, bounds, rank, source, group)
         return [(None, None, mask)] if visible else []
     if source == rank:
-        tril = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
-        below = torch.cat([torch.ones_like(tril), tril], dim=1)
-        return [(0, 0, tril.repeat(group, 1)), (1, None, below.repeat(group, 1))]
+        first, second = _diagonal_masks(chunk, group, str(device))
+        return [(0, 0, first), (1, None, second)]
     return [(None, 0, None)] if source < rank else [(1, None, None)]
+
+
+@functools.lru_cache(maxsize=16)
+def _diagonal_masks(chunk: int, group: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own block's masks (made once per shape): the first query chunk against the first key chunk
+    (causal), the second against both (the first fully, the second causally); rows repeated per folded head."""
+    tril = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+    return tril.repeat(group, 1), torch.cat([torch.ones_like(tril), tril], dim=1).repeat(group, 1)
 
 
 def _rows(x: torch.Tensor, group: int, part: int) -> torch.Tensor:

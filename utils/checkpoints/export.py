@@ -97,7 +97,7 @@ def import_hf(folder: Path, run_dir: Path, vocab_multiple: int = 64) -> tuple[Pa
     and the model settings a run needs to start from it."""
     from utils.cli.config import load_config
 
-    config, _ = hf.read_folder(folder)
+    config = hf.read_config(folder)
     arch, settings = hf.model_settings(config)
     model = hf.schema_of(arch)(**settings, vocab_multiple=vocab_multiple)
     state = hf.import_state(folder, model)

@@ -36,17 +36,21 @@ LLAMA_IGNORED = (".rotary_emb.inv_freq",)  # a buffer older Llama checkpoints sa
 
 
 # ---------------------------------------------------------------------------------------------- folders
-def read_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, every tensor of the safetensors weights) of a Hugging Face model folder."""
-    from safetensors.torch import load_file
-
+def read_config(folder: Path) -> dict:
+    """config.json of a Hugging Face model folder."""
     config_file = folder / "config.json"
     require(config_file.is_file(), f"{folder} holds no config.json", "DIR",
             "give a folder in the Hugging Face layout (config.json and *.safetensors)")
     try:
-        config = json.loads(config_file.read_text())
+        return json.loads(config_file.read_text())
     except ValueError as err:
         raise ConfigError(f"{config_file} is not JSON ({err})", "DIR", "give an intact model folder") from None
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors weights (one file, or the shards its index lists)."""
+    from safetensors.torch import load_file
+
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
@@ -62,7 +66,12 @@ def read_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         except Exception as err:  # safetensors raises its own error types for damaged files
             raise ConfigError(f"{file} cannot be read ({' '.join(str(err).split())[:200]})", "DIR",
                               "give an intact model folder") from None
-    return config, tensors
+    return tensors
+
+
+def read_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, every tensor of the safetensors weights) of a Hugging Face model folder."""
+    return read_config(folder), read_weights(folder)
 
 
 def model_settings(config: dict) -> tuple[str, dict[str, object]]:
@@ -202,12 +211,7 @@ def pad_vocab(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tens
 def check_folder(folder: Path, model, vocab_size: int | None = None) -> dict:
     """config.json of a Hugging Face folder, checked against the model config `model` (and the tokenizer's
     `vocab_size`) before any weight is read: one line naming the settings to change when they differ."""
-    require((folder / "config.json").is_file(), f"{folder} holds no config.json", "DIR",
-            "give a folder in the Hugging Face layout (config.json and *.safetensors)")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except ValueError as err:
-        raise ConfigError(f"{folder / 'config.json'} is not JSON ({err})", "DIR", "give an intact model folder") from None
+    config = read_config(folder)
     arch, settings = model_settings(config)
     wrong = differences(model, arch, settings)
     require(not wrong, f"{folder} holds another model than the one configured", "model", "set " + " ".join(wrong))
@@ -220,10 +224,9 @@ def check_folder(folder: Path, model, vocab_size: int | None = None) -> dict:
 def import_state(folder: Path, model, vocab_size: int | None = None) -> dict[str, torch.Tensor]:
     """The project's state dict (vocabulary padded as `model` pads it) of a Hugging Face folder (`check_folder`
     first; then every tensor present, none left over, each of the shape config.json implies)."""
-    check_folder(folder, model, vocab_size)
-    config, tensors = read_folder(folder)
+    config = check_folder(folder, model, vocab_size)
     arch, settings = model_settings(config)
-    vocab = config["vocab_size"]
+    tensors, vocab = read_weights(folder), config["vocab_size"]
     try:
         state = to_project(arch, settings, tensors)
     except RuntimeError as err:  # a reshape of rows that config.json's heads do not divide
