@@ -1,0 +1,115 @@
+"""The intended layout against the single-device curve for a few steps, and the model's throughput and MFU.
+
+Both runs are the real trainer (utils.engine.build.build_trainer, as train.py and utils.bench build it) taking
+`Trainer.train_step`s on the same global batches: random inputs of the training shapes drawn from a fixed seed
+per step (no data files), each batch rank given its slice. The layout's losses must follow the single-device
+run's within the project's layout contract (tests/test_matrix.py): relative 1e-4 in fp32, 8 unit roundoffs of
+the autocast dtype's mantissa in bf16 (3.1e-2), tf32 and fp16 (3.9e-3). The single-device run is rank 0's
+alone, built after the layout's trainer is freed; a model that does not fit one device is reported as such.
+Then the layout's trainer is timed as utils.bench times it: samples/s, TFLOP/s per device and MFU
+(utils.engine.flops), peak memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from distributed.collectives import barrier, broadcast_object
+from utils.bench.train_step import time_steps
+from utils.comm import Grid, ParallelConfig
+from utils.doctor.report import Check
+from utils.engine.build import build_trainer
+from utils.engine.trainer import peak_memory_gib
+from utils.tasks import build_task
+
+TOLERANCE = {"fp32": 1e-4, "bf16": 8 * 2.0**-8, "tf32": 8 * 2.0**-11, "fp16": 8 * 2.0**-11}
+SEED = 1234  # the batches' seed (step s draws with SEED + s)
+
+
+def global_batch(task, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch, the same on every rank and device (drawn on the CPU, global RNG untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED + step)
+        return task.example_batch(size, torch.device("cpu"))
+
+
+def curve(trainer, steps: int) -> list[float]:
+    """The global-batch mean loss of `steps` train steps on the fixed batches (this rank's slice of each)."""
+    batch, size = trainer.grid.batch, trainer.tc.global_batch_size
+    local = size // batch.size
+    losses = []
+    for step in range(steps):
+        x, y = (t[batch.rank * local:(batch.rank + 1) * local].to(trainer.grid.device)
+                for t in global_batch(trainer.task, size, step))
+        loss, _ = trainer.train_step(x, y)
+        losses.append(float(loss))
+    return losses
+
+
+def build(cfg, grid: Grid, tmp: Path):
+    task = build_task(cfg, load_data=False)
+    return build_trainer(cfg, task, grid, logging.getLogger("dlscale.doctor"), tmp)
+
+
+def serial_curve(cfg, device: torch.device, steps: int, tmp: Path) -> list[float] | str:
+    """The single-device losses, or why there are none (the model does not fit one device)."""
+    single = dataclasses.replace(cfg, parallel=ParallelConfig(), trainer=dataclasses.replace(cfg.trainer, ckpt_async=False))
+    try:
+        return curve(build(single, Grid.serial(device), tmp / "single"), steps)
+    except torch.OutOfMemoryError:
+        return "the model does not fit one device: no single-device curve"
+
+
+def deviation(layout: list[float], single: list[float]) -> float:
+    """The largest relative difference of the two curves (inf when a loss is not finite)."""
+    if not all(math.isfinite(v) for v in layout + single):
+        return math.inf
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(layout, single, strict=True))
+
+
+def curve_check(cfg, grid: Grid, losses: list[float], steps: int, tmp: Path) -> Check:
+    """Rank 0 runs the single-device curve while the others wait; every rank gets the same verdict."""
+    if grid.world_size == 1:
+        return Check("layout", "single-device curve", "pass", "the layout is one device: nothing to compare",
+                     {"losses": losses})
+    single = serial_curve(cfg, grid.device, steps, tmp) if grid.is_main else None
+    barrier(grid.world)
+    single = broadcast_object(single, grid.world)
+    if isinstance(single, str):
+        return Check("layout", f"{grid.name} vs single device, {steps} steps", "warn", single, {"losses": losses})
+    worst, tol = deviation(losses, single), TOLERANCE[cfg.precision.mode]
+    return Check("layout", f"{grid.name} vs single device, {steps} steps ({cfg.precision.mode})",
+                 "pass" if worst <= tol else "fail", f"largest relative loss difference {worst:.2g}, tolerance {tol:.2g}",
+                 {"losses": losses, "single_device_losses": single, "deviation": worst, "tolerance": tol})
+
+
+def throughput_check(trainer, warmup: int, steps: int) -> Check:
+    """samples/s, TFLOP/s per device and MFU of `steps` timed steps (utils.bench's timing)."""
+    seconds, _ = time_steps(trainer, warmup, steps)
+    perf, peak = trainer.throughput(seconds), peak_memory_gib(trainer.grid.device)
+    mfu = perf.get("perf/mfu")
+    text = (f"{perf['perf/samples_per_sec']:.3g} samples/s, {perf['perf/tflops_per_sec']:.3g} TFLOP/s per device, "
+            f"MFU {'unknown (no peak for this device)' if mfu is None else f'{100 * mfu:.1f}%'}, "
+            f"step {1e3 * seconds:.1f} ms, peak {peak:.2f} GiB")
+    finite = all(math.isfinite(v) and v > 0 for v in perf.values())
+    return Check("layout", f"throughput of {trainer.grid.name} ({steps} timed steps)",
+                 "fail" if not finite else "pass" if mfu is not None else "warn", text,
+                 {**perf, "step_time_s": seconds, "peak_gib": peak})
+
+
+def training_checks(cfg, grid: Grid, steps: int, timed_steps: int) -> list[Check]:
+    """The layout's curve (then its trainer is freed), the single-device curve, the throughput."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build(cfg, grid, Path(tmp) / "layout")
+        losses = curve(trainer, steps)
+        perf = throughput_check(trainer, 1, timed_steps)
+        del trainer
+        if grid.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return [curve_check(cfg, grid, losses, steps, Path(tmp)), perf]
