@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
-from utils.plan.cost_model import GPUS, Hardware, link_gbs, main, plan_layout
+from utils.plan.cost_model import GPUS, PCIE_GBS, Hardware, link_gbs, main, parse_args, plan_layout, table
 
 TINY = ["trainer.global_batch_size=8"]
 RUN = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]
@@ -121,3 +121,43 @@ def test_uneven_refusal_is_listed(capsys):
     out = capsys.readouterr().out
     assert re.search(r"\| tp3 \| refused \| error: .*parallel.tp", out)
     assert torch.distributed.is_initialized() is False
+
+
+def doctor_file(tmp_path, **fields):
+    """A bandwidths file as the doctor writes it (its format: utils/plan/bandwidths.py)."""
+    data = {"kind": "dlscale-bandwidths", "version": 1, "date": "2026-11-25", "device": "8x H100", "backend": "nccl",
+            "world": 8, "intra_gbs": 310.5, "inter_gbs": None,
+            "groups": {"tp": {"size": 8, "spans_nodes": False, "busbw_gbs": {"all_reduce": 310.5}}}}
+    path = tmp_path / "bandwidths.json"
+    path.write_text(json.dumps({**data, **fields}))
+    return str(path)
+
+
+def test_bandwidths_file_replaces_the_preset_and_flags_win(tmp_path):
+    path = doctor_file(tmp_path)
+    req = parse_args(["--bandwidths", path, "model=vit_tiny"])
+    assert (req.hardware.intra_gbs, req.hardware.inter_gbs) == (310.5, 50.0)  # null keeps the preset's
+    assert req.overrides == ["model=vit_tiny"] and path in req.links_from
+    req = parse_args([f"--bandwidths={doctor_file(tmp_path, intra_gbs=None, inter_gbs=12)}", "gpu=a100", "--pcie"])
+    assert (req.hardware.intra_gbs, req.hardware.inter_gbs) == (PCIE_GBS, 12.0)
+    req = parse_args(["--intra-gbs", "100", "--bandwidths", doctor_file(tmp_path, inter_gbs=20.0), "--inter-gbs=7"])
+    assert (req.hardware.intra_gbs, req.hardware.inter_gbs) == (100.0, 7.0)
+    assert GPUS["h100"].intra_gbs == 450.0  # the preset itself untouched
+    assert "(--bandwidths " + path in table([], parse_args(["--bandwidths", path]))
+
+
+@pytest.mark.parametrize("fields,what", [({"kind": "dlscale-doctor"}, "not a dlscale-bandwidths file"),
+                                         ({"version": 2}, "version 2"), ({"intra_gbs": "fast"}, "intra_gbs='fast'"),
+                                         ({"inter_gbs": 0}, "inter_gbs=0"), (None, "cannot read"), ("[", "cannot read")])
+def test_bad_bandwidths_file_is_one_line_exit_2(tmp_path, capsys, fields, what):
+    if isinstance(fields, dict):
+        path = doctor_file(tmp_path, **fields)
+    else:
+        path = str(tmp_path / "missing.json")
+        if fields is not None:
+            (tmp_path / "missing.json").write_text(fields)  # not JSON
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--bandwidths", path, "gpu=cpu"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1
+    assert lines[0].startswith("error:") and "--bandwidths" in lines[0] and what in lines[0]

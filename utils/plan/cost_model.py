@@ -24,6 +24,8 @@ Options (defaults by gpu: h100 | a100 | cpu):
   --peak-tflops X     dense peak per device for the run's precision: h100/a100 from the table; cpu 0.2
   --intra-gbs X       GB/s per direction inside a node: NVLink 450 (h100) | 300 (a100); cpu loopback 5
   --inter-gbs X       GB/s per GPU between nodes: InfiniBand 50 (400 Gb/s NDR); cpu 5
+  --bandwidths FILE   the doctor's measured links (JSON, kind dlscale-bandwidths, version 1): its intra_gbs
+                      and inter_gbs replace the preset's (null keeps it); --intra-gbs / --inter-gbs still win
   --pcie              nodes without NVLink: intra-node links at PCIe Gen4 x16, 25 GB/s
   --gpus-per-node N   8 (cpu: 1000, one node)
   --memory-gb X       memory per device: 80 (cpu: 1000)
@@ -45,6 +47,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from utils import ConfigError, exit_bad_input, require
+from utils.plan.bandwidths import read_bandwidths
 
 GB = 1e9
 
@@ -75,6 +78,7 @@ class Request:
     gpu: str = "h100"
     world: int = 0  # 0: plan the one layout the overrides give
     as_json: bool = False
+    links_from: str = ""  # --bandwidths: the doctor's file the link figures come from
 
 
 @dataclass
@@ -102,12 +106,16 @@ class LayoutPlan:
 def parse_args(argv: list[str]) -> Request:
     """Planner options out of argv; the rest are Hydra overrides."""
     req, values, it = Request([], GPUS["h100"]), {}, iter(argv)
-    pcie = False
+    pcie, measured = False, None
     for arg in it:
         key, eq, value = arg.partition("=")
         if key == "gpu":
             require(value in GPUS, f"unknown gpu '{value}'", "gpu", "choose " + ", ".join(GPUS))
             req.gpu = value
+        elif key == "--bandwidths":
+            value = value if eq else next(it, "")
+            require(bool(value), "--bandwidths needs a file", "--bandwidths", "give the doctor's bandwidths JSON")
+            measured = read_bandwidths(value)
         elif key in OPTIONS or key == "--world":
             value = value if eq else next(it, "")
             try:
@@ -125,6 +133,10 @@ def parse_args(argv: list[str]) -> Request:
     req.world = int(values.pop("--world", 0))
     hw = Hardware(**asdict(GPUS[req.gpu]))
     hw.intra_gbs = PCIE_GBS if pcie else hw.intra_gbs
+    if measured is not None:  # the doctor's figures replace the preset's; explicit flags (below) win
+        hw.intra_gbs = measured.intra_gbs or hw.intra_gbs
+        hw.inter_gbs = measured.inter_gbs or hw.inter_gbs
+        req.links_from = measured.source()
     for key, number in values.items():
         setattr(hw, OPTIONS[key], int(number) if key == "--gpus-per-node" else number)
     req.hardware = hw
@@ -311,7 +323,8 @@ def table(plans: list[LayoutPlan], req: Request) -> str:
     """Markdown table ranked by predicted step time (layouts that do not fit and refused ones last)."""
     hw = req.hardware
     lines = [f"planner: gpu={req.gpu}, peak {hw.peak} x efficiency {hw.efficiency}, links intra {hw.intra_gbs} / "
-             f"inter {hw.inter_gbs} GB/s, {hw.gpus_per_node} per node, {hw.memory_gb} GB; rank 0; no overlap",
+             f"inter {hw.inter_gbs} GB/s{f' (--bandwidths {req.links_from})' if req.links_from else ''}, "
+             f"{hw.gpus_per_node} per node, {hw.memory_gb} GB; rank 0; no overlap",
              "| rank | layout | fits | step s | compute s | comm s | params GiB | grads GiB | Adam GiB | "
              "activations GiB | total GiB | comm MB per step by axis |", "|" + "---|" * 12]
     for i, p in enumerate(plans, 1):
@@ -333,8 +346,8 @@ def run(argv: list[str]) -> str:
     else:
         plans = [plan_layout(req.overrides, req.hardware, world_of(req.overrides))]
     if req.as_json:
-        return json.dumps({"gpu": req.gpu, "hardware": asdict(req.hardware), "layouts": [as_dict(p) for p in plans]},
-                          indent=1)
+        return json.dumps({"gpu": req.gpu, "hardware": asdict(req.hardware), "links_from": req.links_from,
+                           "layouts": [as_dict(p) for p in plans]}, indent=1)
     return table(plans, req)
 
 
