@@ -3,7 +3,10 @@
 For each variant (allgather, ring, alltoall; hierarchical at cp=4 as 2 groups of 2), causal (the balanced layout) and non-causal (contiguous,
 even and uneven lengths), with as many key/value heads as query heads and with grouped K/V (grouped-query
 attention), the output and dQ, dK, dV of each rank's own tokens equal serial SDPA over the full sequence
-within 1e-10 (float64); the all-to-all's bytes on the cp axis equal its docstring's formula.
+within 1e-10 (float64); the all-to-all's bytes on the cp axis equal its docstring's formula. Under bf16
+autocast (as the trainer calls attention) each variant is as accurate against float64 as serial SDPA under
+the same autocast on the same peaked inputs (tests/attention_accuracy.py's measure and slack; the matrix
+checks the same on the variants as its cases build them, at cp=2 only).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 
 from distributed.context.attention import VARIANTS, ContextParallelAttention
 from distributed.context.layout import ContextShards
+from tests.attention_accuracy import SLACK, relative_errors, under_autocast
 from tests.helpers import run_ranks
 from utils.comm import AxisGroup
 
@@ -58,6 +62,25 @@ def _check(axis: AxisGroup, variant: str, n: int, causal: bool, kv_heads: int, h
         assert int(axis.counter) - before == a2a + 2 * sum(hops[:-1]) + sum(hops)
 
 
+def _check_autocast(axis: AxisGroup, variant: str, n: int, causal: bool, hierarchy=None) -> None:
+    """bf16 autocast: this rank's out, dQ, dK, dV within SLACK x serial SDPA's relative error against float64."""
+    gen = torch.Generator().manual_seed(7 + causal)
+    q, k, v, grad = (torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) for _ in range(4))
+    q = q * 6.0  # peaked rows: where statistics kept in bf16 hurt most
+    shards = ContextShards(axis, balanced=causal)
+    shards.enter(n, torch.device("cpu"))
+    want = [shards.shard(t, 2) for t in _reference(q, k, v, grad, causal)]
+    serial = under_autocast(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal), q, k, v, grad,
+                            torch.bfloat16)
+    bound = relative_errors([shards.shard(t, 2) for t in serial], want)
+    attention = ContextParallelAttention(shards, causal, variant, hierarchy=hierarchy)
+    got = relative_errors(under_autocast(attention, *(shards.shard(t, 2) for t in (q, k, v, grad)),
+                                         torch.bfloat16), want)
+    worse = [f"{name} {g:.2e} > {SLACK} x {b:.2e}" for name, g, b in zip(("out", "dq", "dk", "dv"), got, bound)
+             if g > SLACK * b]
+    assert not worse, f"{variant} (causal={causal}) under bf16 autocast: " + ", ".join(worse)
+
+
 def _all_variants(rank: int, world: int) -> None:
     from utils.comm import ParallelConfig, init_grid
 
@@ -68,6 +91,8 @@ def _all_variants(rank: int, world: int) -> None:
         for kv_heads in (H, H // 2, 1):
             _check(axis, variant, 8 * world, True, kv_heads, hierarchy)  # balanced: 2cp chunks of 4 tokens
             _check(axis, variant, 8 * world + 3, False, kv_heads, hierarchy)  # contiguous, uneven
+        _check_autocast(axis, variant, 16 * world, True, hierarchy)
+        _check_autocast(axis, variant, 16 * world + 3, False, hierarchy)
 
 
 def test_every_variant_equals_serial_attention_cp2(tmp_path):
