@@ -9,11 +9,18 @@ A step is what the tutorial's train.py does on one GPU: zero_grad, forward under
 (betas 0.9, 0.95; fused when `spec["fused"]`, its `--enable_fused`), with `torch.compile(model)` when
 `spec["compile"]`. Prints one JSON line: seconds per step over `spec["steps"]` timed steps after
 `spec["warmup"]`, and the peak memory.
+
+With `spec["tp"]` > 1 it runs as the tutorial's train_mp.py does, under torchrun (RANK, WORLD_SIZE,
+MASTER_ADDR/PORT from the launcher): its rank groups (`utils.comm.init_model_parallel_info`, tp nearest,
+dp = world / tp), its model-parallel ViT, its shared-weight sync and its DDP wrapper, on gloo when the
+device is the CPU (the tutorial hard-codes NCCL in `init_process_group`, so the group is made here). Every
+tp rank sees the same batch of `spec["batch"]` samples per dp rank; rank 0 prints the JSON line.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -27,11 +34,28 @@ def main(seed_dir: str, spec: dict) -> dict:
     from utils.loss import l2_loss
 
     device = torch.device(spec["device"])
+    tp = spec.get("tp", 1)
+    if tp > 1:
+        import torch.distributed as dist
+        from utils import comm
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
+        comm.init_model_parallel_info(tp=tp, dp=dist.get_world_size() // tp, cp=1, pp=1, order="tp-dp")
     torch.manual_seed(0)
     params = SimpleNamespace(img_size=spec["img_size"], n_in_channels=spec["in_channels"],
                              n_out_channels=spec["out_channels"], patch_size=spec["patch_size"],
                              embed_dim=spec["embed_dim"], depth=spec["depth"], num_heads=spec["num_heads"], dropout=0.0)
     model = ViT(params).to(device)
+    if tp > 1:
+        from distributed.helpers import init_params_for_shared_weights
+        from distributed.mappings import init_ddp_model_and_reduction_hooks
+
+        init_params_for_shared_weights(model)
+        ids = None if device.type == "cpu" else [device.index]
+        model = init_ddp_model_and_reduction_hooks(model, device_ids=ids, output_device=ids)
     if spec["compile"]:
         model = torch.compile(model)
     kernel = {"fused": True} if spec["fused"] else {}
@@ -69,4 +93,6 @@ def main(seed_dir: str, spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], json.loads(sys.argv[2]))), flush=True)
+    result = main(sys.argv[1], json.loads(sys.argv[2]))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(result), flush=True)

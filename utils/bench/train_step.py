@@ -11,7 +11,11 @@ second line gives the measured bubble next to the formula. Under torchrun every 
 `--seed-dir PATH` (a checkout of NERSC/sc24-dl-tutorial) adds a row for the tutorial's own ViT at the
 same shape, precision, compile setting, Adam kernel and batch, timed the same way in its own
 interpreter (utils/bench/seed_step.py); its TFLOP/s and MFU use this project's FLOP model of the same shape.
-The shape must allow it: a ViT with mlp_ratio 4 on one rank.
+The shape must allow it: a ViT with mlp_ratio 4. Started as one process with `parallel.tp` > 1 (and no
+other axis), `--seed-dir` compares instead the tutorial's model-parallel ViT with this project's step with
+sequence parallelism on and off, each on tp local ranks, in `--rounds` interleaved rounds (default 3), and
+prints both ratios to the seed (utils/bench/versus_seed.py). `--json`: rank 0 prints one JSON line (seconds
+per step, peak GiB) instead of the table (what that comparison reads).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from pathlib import Path
 import torch
 
 from utils import ConfigError, exit_bad_input, require
+from utils.bench.versus_seed import compare, table
 from utils.cli.config import load_config
+from utils.cli.launch import launch_env
 from utils.comm import Axis, destroy_grid, init_grid
 from utils.engine.build import build_trainer
 from utils.engine.flops import device_name
@@ -42,11 +48,15 @@ HEADER = ("| date | device | model | precision | compile | layout | global batch
 
 
 def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
-    """({'--warmup': int, '--steps': int, '--seed-dir': Path | None}, the config overrides)."""
-    options, rest = {"--warmup": 5, "--steps": 20, "--seed-dir": None}, []
+    """({'--warmup': int, '--steps': int, '--rounds': int, '--seed-dir': Path | None, '--json': bool}, the
+    config overrides)."""
+    options, rest = {"--warmup": 5, "--steps": 20, "--rounds": 3, "--seed-dir": None, "--json": False}, []
     it = iter(argv)
     for arg in it:
         key, _, value = arg.partition("=")
+        if key == "--json":
+            options[key] = True
+            continue
         if key not in options:
             rest.append(arg)
             continue
@@ -137,21 +147,21 @@ def saved_for_backward_bytes(trainer, x: torch.Tensor, y: torch.Tensor, params=N
     return peak
 
 
-def seed_spec(cfg, trainer, warmup: int, steps: int) -> dict:
+def seed_spec(cfg, task, device: torch.device, warmup: int, steps: int) -> dict:
     """What utils/bench/seed_step.py needs to time the tutorial's ViT at this run's shape."""
-    x, y = trainer.task.example_batch(1, torch.device("cpu"))
+    x, y = task.example_batch(1, torch.device("cpu"))
     m = cfg.model
     return {"img_size": list(x.shape[2:]), "in_channels": x.shape[1], "out_channels": y.shape[1],
             "patch_size": m.patch_size, "embed_dim": m.embed_dim, "depth": m.depth, "num_heads": m.num_heads,
             "batch": cfg.trainer.global_batch_size, "precision": cfg.precision.mode, "compile": cfg.precision.compile,
-            "fused": cfg.optim.fused, "device": str(trainer.device), "warmup": warmup, "steps": steps}
+            "fused": cfg.optim.fused, "device": device.type, "warmup": warmup, "steps": steps}
 
 
 def seed_row(seed_dir: Path, cfg, trainer, warmup: int, steps: int) -> str:
     """The table row of the tutorial's ViT at this run's shape (utils/bench/seed_step.py, its own interpreter)."""
     script = Path(__file__).with_name("seed_step.py")
-    proc = subprocess.run([sys.executable, str(script), str(seed_dir), json.dumps(seed_spec(cfg, trainer, warmup, steps))],
-                          capture_output=True, text=True)
+    spec = seed_spec(cfg, trainer.task, trainer.device, warmup, steps)
+    proc = subprocess.run([sys.executable, str(script), str(seed_dir), json.dumps(spec)], capture_output=True, text=True)
     require(proc.returncode == 0, f"the NERSC tutorial's ViT failed: {proc.stderr.strip().splitlines()[-1:]}",
             "--seed-dir", "check the checkout (python utils/bench/seed_step.py runs it alone)")
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -170,20 +180,39 @@ def row(cfg, trainer, model: str, perf: dict, peak_gib: float, saved: str) -> st
             f"| {'n/a' if utilization is None else f'{100 * utilization:.1f}%'} | {peak_gib:.2f} | {saved} |")
 
 
+def versus_seed(cfg, seed_dir: Path, argv: list[str], options: dict) -> str:
+    """The tp comparison with the tutorial (utils/bench/versus_seed.py), from one process."""
+    p = cfg.parallel
+    require(p.cp == p.pp == 1 and p.dp in (0, 1), f"the tutorial's model-parallel ViT is compared at tp only, not "
+            f"tp={p.tp} cp={p.cp} pp={p.pp} dp={p.dp}", "--seed-dir", "set parallel.tp alone (e.g. parallel=tp2)")
+    device = torch.device("cuda" if torch.cuda.device_count() >= p.tp else "cpu")
+    spec = seed_spec(cfg, build_task(cfg, load_data=False), device, options["--warmup"], options["--steps"])
+    seconds = compare(argv, seed_dir, spec, p.tp, options["--warmup"], options["--steps"], options["--rounds"])
+    name = device_name(device) + ("" if device.type == "cuda" else ", gloo")
+    return table(seconds, p.tp, name, options["--rounds"], options["--steps"])
+
+
 def run(argv: list[str]) -> str:
+    """What the benchmark prints: the table (or rank 0's JSON line under --json; other ranks print nothing)."""
     options, argv = parse_options(argv)
     warmup, steps, seed_dir = options["--warmup"], options["--steps"], options["--seed-dir"]
     cfg, choices, _ = load_config(argv)
     if seed_dir is not None:
         require(cfg.model.arch == "vit" and cfg.model.mlp_ratio == 4, "the NERSC tutorial has only a ViT with "
                 "mlp_ratio 4", "--seed-dir", "benchmark a model=vit_* with model.mlp_ratio=4, or drop --seed-dir")
+        if cfg.parallel.tp > 1 and launch_env().source == "single":
+            return versus_seed(cfg, seed_dir, argv, options)
     grid = init_grid(cfg.parallel)
     require(seed_dir is None or grid.world_size == 1, f"the tutorial's ViT is timed on one rank, not {grid.world_size}",
-            "--seed-dir", "benchmark parallel=single (one process), or drop --seed-dir")
+            "--seed-dir", "benchmark parallel=single, or start parallel=tpN as one process (no torchrun), "
+            "or drop --seed-dir")
     task = build_task(cfg, load_data=False)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(cfg, task, grid, logging.getLogger("dlscale"), Path(tmp))
         seconds, bubbles = time_steps(trainer, warmup, steps)
+        if options["--json"]:
+            peak = peak_memory_gib(grid.device)
+            return json.dumps({"seconds": seconds, "peak_gib": peak}) if grid.global_rank == 0 else ""
         batch = trainer.tc.global_batch_size // trainer.grid.batch.size
         saved = saved_for_backward_bytes(trainer, *trainer.task.example_batch(batch, grid.device))
     peak = peak_memory_gib(grid.device)
@@ -196,7 +225,8 @@ def run(argv: list[str]) -> str:
                     f"m={plan.microbatches}: bubble measured {sum(bubbles) / len(bubbles):.3f} "
                     f"(mean over pp ranks and timed steps); {plan.bubble_text()}")
     ours = row(cfg, trainer, choices["model"], perf, peak, f"{saved / 2**20:.1f}") + pipeline
-    return ours if seed_dir is None else ours + "\n" + seed_row(seed_dir, cfg, trainer, warmup, steps)
+    rows = ours if seed_dir is None else ours + "\n" + seed_row(seed_dir, cfg, trainer, warmup, steps)
+    return HEADER + "\n" + rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     try:
-        row = run(argv)
+        text = run(argv)
     except ConfigError as err:
         exit_bad_input(err)
     finally:
         destroy_grid()
-    print(HEADER)
-    print(row, flush=True)
+    if text:
+        print(text, flush=True)
     return 0
