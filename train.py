@@ -2,11 +2,17 @@
 
 A script over utils/cli/entry.py (the command line, `--help`) and utils/cli/local_launch.py (one run, here or as
 the local ranks of its layout). `import train; train.main(argv)` runs the command line in this process.
+Its first lines record stop signals (SIGTERM, SIGUSR1, SIGUSR2, SIGHUP): one that comes while torch is still
+being imported is acted on at the run's first chance (utils/engine/preemption.py).
 """
 
 import sys
 
-from utils.cli.entry import main
+if __name__ == "__main__":  # the standard library only: no torch yet
+    from utils.engine.preemption import record_stop_signals
+
+    record_stop_signals()  # a stop signal from here on ends the run with a checkpoint and 75, not a kill
+from utils.cli.entry import main  # noqa: E402 - after the signals are recorded
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Every way a run ends leaves no process behind and loses nothing (issue 23): a resumed run exits, a killed
+"""Every way a run ends leaves no process behind and loses nothing (issues 23, 28): a resumed run exits, a killed
 rank or data worker ends the whole job (its forkserver and DataLoader workers included), a stop signal in
 the last step still gives the final validation, and one during set-up exits 75 with a usable checkpoint.
 
@@ -221,3 +221,38 @@ def test_a_stop_signal_during_set_up_exits_75_and_the_same_command_continues(tmp
     assert job.wait(120) == 0, job.output[-3000:]
     assert "resumed from" in job.output and "step 2/2" in job.output
     assert latest.read_text() == "step_0000002"
+
+
+def caught_before_torch(pid: int, sig: int, timeout: float = 60) -> bool:
+    """Wait until process `pid` catches `sig` (its /proc SigCgt mask); whether torch was not loaded yet then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+        if caught & (1 << (sig - 1)):
+            return "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
+        time.sleep(0.002)
+    raise AssertionError(f"process {pid} never caught signal {sig}")
+
+
+@pytest.mark.parametrize("script,sig,extra", [("train.py", signal.SIGUSR1, []),
+                                              ("train_mp.py", signal.SIGTERM, ["parallel=dp", "--nproc", "2"])],
+                         ids=["train-usr1", "train_mp-term"])
+def test_a_stop_signal_while_torch_is_imported_exits_75_and_the_run_continues(script, sig, extra, tmp_path,
+                                                                               era5_root, jobs):
+    """A signal that comes while the entry point still imports torch (seconds to minutes on a cluster file
+    system; Slurm's USR1 arrives up to 60 s early) is recorded from the script's first lines and acted on at the
+    run's first chance: a step-0 checkpoint and 75, and the same command then trains to the end (before: death
+    by the signal, 138/143, and no requeue). train_mp.py forwards it to the ranks once they start."""
+    args = [f"data.root={era5_root}", f"run.dir={tmp_path}", *TINY, "trainer.max_steps=2", "trainer.val_every=0",
+            "trainer.ckpt_every=0", *extra]
+    jobs.append(job := Job(args, script=script))
+    assert caught_before_torch(job.proc.pid, sig), "torch was loaded before the stop handlers: nothing tested"
+    job.proc.send_signal(sig)
+    assert job.wait(120) == EXIT_PREEMPTED, job.output[-3000:]
+    latest = tmp_path / "checkpoints" / "latest"
+    assert "step 1/" not in job.output and latest.read_text() == "step_0000000", job.output[-3000:]
+    assert (latest.parent / "step_0000000" / "COMPLETE").is_file()
+    jobs.append(job := Job(args, script=script))
+    assert job.wait(120) == 0, job.output[-3000:]
+    assert "resumed from" in job.output and latest.read_text() == "step_0000002"

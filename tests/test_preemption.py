@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.helpers import ROOT
-from utils.engine.preemption import EXIT_LATE, SIGNALS, StopRequest
+from utils.engine.preemption import EARLY_SIGNALS, EXIT_LATE, SIGNALS, StopRequest, record_stop_signals, take_early_stop
 
 
 @pytest.fixture
@@ -74,3 +74,20 @@ def test_no_checkpoint_within_the_deadline_exits_76():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == EXIT_LATE and time.monotonic() - start < 10
     assert "no checkpoint within trainer.preempt_deadline_s=0.5 s of SIGTERM" in proc.stderr
+
+
+def test_a_signal_before_set_up_is_recorded_and_taken_over_by_the_request(handlers_kept):
+    """What the entry points install on their first lines (before torch is imported): a stop signal is recorded,
+    not fatal, and the run's StopRequest takes it over, its deadline counted from the signal's arrival; Ctrl-C
+    keeps its default until set-up (nothing to save yet)."""
+    record_stop_signals()
+    assert signal.getsignal(signal.SIGINT) == handlers_kept[signal.SIGINT]
+    assert signal.SIGUSR2 in EARLY_SIGNALS and signal.SIGINT not in EARLY_SIGNALS
+    os.kill(os.getpid(), signal.SIGUSR2)  # submitit's time-limit signal, while "importing torch"
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)  # a later one does not replace the first
+    time.sleep(0.05)
+    with StopRequest(60) as request:
+        assert request.signum == signal.SIGUSR2
+        assert 59.0 < request._timer.interval < 59.8  # 60 s from the arrival, not from set-up
+    assert take_early_stop() is None  # taken once

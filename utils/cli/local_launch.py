@@ -8,8 +8,8 @@ line (`python train.py key=value ...`), which every local rank runs.
 `launch_main` is `python train_mp.py`: it starts world = tp*cp*pp*dp ranks (dp = parallel.dp, or 1 when it
 is derived; or `--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs (a new
 interpreter running train.py), else CPU processes on gloo (forks of this one). Returns the first non-zero
-exit status; when a rank fails, the others are stopped at once. SIGTERM, SIGINT and SIGHUP are forwarded
-to the ranks, which checkpoint and exit (status 75); a rank never outlives the launcher.
+exit status; when a rank fails, the others are stopped at once. Stop signals (SIGTERM, SIGUSR1, SIGUSR2,
+SIGHUP, SIGINT) are forwarded to the ranks, which checkpoint and exit (status 75); a rank never outlives the launcher.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from utils import ConfigError, exit_bad_input
 from utils.cli.config import load_config
 from utils.cli.launch import LaunchEnv, die_with_parent, free_port, launch_env, rank_env, ranks_needed
 from utils.comm import check_grid, destroy_grid
-from utils.engine.preemption import EXIT_LATE, EXIT_PREEMPTED
+from utils.engine.preemption import EARLY_SIGNALS, EXIT_LATE, EXIT_PREEMPTED, take_early_stop
 
 ENTRY_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"  # what a new rank interpreter runs
 
@@ -130,8 +130,10 @@ def supervise(procs: list[subprocess.Popen], preempt_grace_s: float = 180.0) -> 
 
 
 def forward_stop_signals(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM, SIGINT or SIGHUP to the launcher reach every rank as SIGTERM (each finishes its step,
-    checkpoints and exits); a second one kills them. Ranks also die with the launcher (die_with_parent)."""
+    """A stop signal to the launcher (SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGINT) reaches every rank as SIGTERM
+    (each finishes its step, checkpoints and exits); a second one kills them. One the launcher received before
+    the ranks started (train_mp.py records them from its first line) is forwarded now. Ranks also die with
+    the launcher (die_with_parent)."""
     received = []
 
     def forward(signum, frame):
@@ -142,8 +144,10 @@ def forward_stop_signals(procs: list[subprocess.Popen]) -> None:
                 p.send_signal(signal.SIGTERM)
         received.append(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (*EARLY_SIGNALS, signal.SIGINT):
         signal.signal(sig, forward)
+    if (early := take_early_stop()) is not None:
+        forward(early[0], None)
 
 
 def launch_main(argv: list[str] | None = None) -> int:
@@ -180,6 +184,7 @@ class ForkedRank:
         code = 1
         try:
             die_with_parent()
+            take_early_stop()  # the launcher's, which it forwards to every rank
             os.environ.clear()
             os.environ.update(env)
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read the variable at import already
