@@ -34,7 +34,8 @@ from utils.doctor.training import training_checks
 ROOT = Path(__file__).resolve().parents[2]
 # option -> (default on a GPU, default on the CPU): what a few minutes buy on each
 OPTIONS = {"--out": (None, None), "--steps": (5, 3), "--timed-steps": (20, 3), "--iters": (20, 3),
-           "--sizes-mib": ("1,32,256", "0.0625,1"), "--min-bandwidth-fraction": (0.25, 0.0)}
+           "--sizes-mib": ("1,32,256", "0.0625,1"), "--min-bandwidth-fraction": (0.25, 0.0), "--skip": ("", "")}
+SKIPPABLE = ("bandwidth", "mappings", "layers", "layout")
 USAGE = """usage: python -m utils.doctor [options] [overrides]   (docs/doctor.md)
   overrides as train.py takes them (model=vit_base parallel=tp2 precision=bf16 ...); launched like training
   --out DIR                   report folder (default outputs/doctor/<layout>-<UTC time>)
@@ -42,7 +43,8 @@ USAGE = """usage: python -m utils.doctor [options] [overrides]   (docs/doctor.md
   --timed-steps N             timed steps for samples/s, TFLOP/s and MFU (GPU 20, CPU 3)
   --iters N                   timed calls per collective and size (GPU 20, CPU 3)
   --sizes-mib A,B,...         message sizes in MiB (GPU 1,32,256; CPU 0.0625,1)
-  --min-bandwidth-fraction X  fail an axis below X times the planner's assumed link (GPU 0.25, CPU 0)"""
+  --min-bandwidth-fraction X  fail an axis below X times the planner's assumed link (GPU 0.25, CPU 0)
+  --skip A,B                  leave out these classes of checks: bandwidth, mappings, layers, layout"""
 
 
 def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
@@ -55,6 +57,11 @@ def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
             rest.append(arg)
             continue
         value = value if eq else next(it, "")
+        if key == "--skip":
+            bad = [k for k in value.split(",") if k not in SKIPPABLE]
+            require(not bad, f"cannot skip '{','.join(bad)}'", key, "name classes among " + ", ".join(SKIPPABLE))
+            options[key] = value
+            continue
         try:
             parsed = value if key == "--out" else [float(v) for v in value.split(",")] if key == "--sizes-mib" \
                 else float(value)
@@ -88,19 +95,21 @@ def guarded(kind: str, fn, *args) -> list[Check]:
         return [Check(kind, "ran to the end", "fail", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")]
 
 
-def checks_of_rank(cfg, grid: Grid, opts: dict) -> tuple[list[Check], dict, dict]:
-    """Every check on this rank, the environment's facts and the bandwidth file's contents."""
+def checks_of_rank(cfg, grid: Grid, opts: dict) -> tuple[list[Check], dict, dict | None]:
+    """Every check on this rank, the environment's facts and the bandwidth file's contents (None: skipped)."""
+    skip = opts["--skip"].split(",")
     checks, facts = environment_checks(grid, cfg.precision.mode)
     node_of = [node for node, _ in node_of_every_rank(grid)]
-    groups = measure(grid, opts["--sizes-mib"], 2, opts["--iters"], node_of)
-    checks += bandwidth_checks(groups, grid.device, opts["--min-bandwidth-fraction"])
+    groups = {} if "bandwidth" in skip else measure(grid, opts["--sizes-mib"], 2, opts["--iters"], node_of)
+    checks += [] if "bandwidth" in skip else bandwidth_checks(groups, grid.device, opts["--min-bandwidth-fraction"])
     axes = [grid.axis(a) for a in grid.order if grid.size(a) > 1] or [grid.axis(Axis.TP)]
     for axis in axes:
-        checks += guarded("mappings", adjoint_checks, axis, grid.device)
-        checks += guarded("layers", layer_checks, axis, grid.device)
+        checks += [] if "mappings" in skip else guarded("mappings", adjoint_checks, axis, grid.device)
+        checks += [] if "layers" in skip else guarded("layers", layer_checks, axis, grid.device)
     grid.reset_comm_bytes()
-    checks += guarded("layout", training_checks, cfg, grid, opts["--steps"], opts["--timed-steps"])
-    return checks, facts, bandwidth_file(groups, grid)
+    if "layout" not in skip:
+        checks += guarded("layout", training_checks, cfg, grid, opts["--steps"], opts["--timed-steps"])
+    return checks, facts, None if "bandwidth" in skip else bandwidth_file(groups, grid)
 
 
 def combine(checks: list[Check], grid: Grid) -> list[Check]:
@@ -126,11 +135,13 @@ def rank_main(cfg, options: dict) -> int:
         header = {"layout": grid.signature, "model": cfg.model.arch, "precision": cfg.precision.mode, **facts}
         header.pop("links")
         path = write_report(out, checks, header)
-        (out / "bandwidths.json").write_text(json.dumps(bandwidths, indent=1) + "\n")
         (out / "links.txt").write_text(facts["links"] + "\n")
         print(markdown(checks, header), flush=True)
-        print(f"doctor: report {path}, bandwidths {out / 'bandwidths.json'} (python -m utils.plan --bandwidths FILE)",
-              flush=True)
+        print(f"doctor: report {path}", flush=True)
+        if bandwidths is not None:
+            (out / "bandwidths.json").write_text(json.dumps(bandwidths, indent=1) + "\n")
+            print(f"doctor: measured bandwidths {out / 'bandwidths.json'} (python -m utils.plan --bandwidths FILE)",
+                  flush=True)
     if grid.world_size > 1:
         barrier(grid.world)
     return code if grid.is_main else 0

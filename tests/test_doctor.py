@@ -1,0 +1,117 @@
+"""The doctor (`python -m utils.doctor`, utils/doctor/) on gloo ranks: its report, its bandwidth file, and planted
+faults that must fail it.
+
+The healthy run goes through the command line and the doctor's own launcher (forked CPU ranks), like a user's
+first run; the planted faults run the doctor's rank command on pooled ranks (tests/rank_pool.py) with one
+defect patched into that process and undone after: a mapping whose backward drops the sum over ranks
+(mappings class, exit bit 16) and a row-parallel linear that adds its bias before the reduction (layers class,
+exit bit 32).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+from tests.rank_pool import pool
+from utils.doctor.report import EXIT_BITS, KINDS
+
+TINY = ["model.depth=1", "model.embed_dim=32", "model.num_heads=4", "trainer.global_batch_size=4",
+        "--steps", "2", "--timed-steps", "1", "--iters", "1", "--sizes-mib", "0.0625"]
+
+
+def test_a_healthy_layout_passes_with_a_report_and_a_bandwidth_file(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "utils.doctor", "parallel=tp2", *TINY, "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "launching 2 ranks on CPU (gloo)" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["kind"] == "dlscale-doctor" and report["exit_status"] == 0 and report["world"] == 2
+    checks = report["checks"]
+    assert {c["kind"] for c in checks} == set(KINDS)
+    assert all(c["status"] in ("pass", "warn") for c in checks)
+    names = [c["name"] for c in checks if c["kind"] == "mappings"]
+    assert len(names) == 18 and "all_gather_linear on tp (2 ranks), bfloat16" in names  # 9 mappings x 2 dtypes
+    curve = next(c for c in checks if c["name"].startswith("tp2 vs single device"))
+    assert curve["status"] == "pass" and len(curve["figures"]["losses"]) == 2
+    markdown = (out / "report.md").read_text()
+    assert len([line for line in markdown.splitlines() if line.startswith("| ")]) == len(checks) + 1  # + header
+    assert "0 failed: exit status 0" in markdown
+    check_bandwidth_file(json.loads((out / "bandwidths.json").read_text()))
+
+
+def check_bandwidth_file(data: dict) -> None:
+    """The exact format the planner reads (`--bandwidths FILE`)."""
+    assert set(data) == {"kind", "version", "date", "device", "backend", "world", "intra_gbs", "inter_gbs", "groups"}
+    assert (data["kind"], data["version"], data["device"], data["backend"], data["world"]) == \
+        ("dlscale-bandwidths", 1, "cpu", "gloo", 2)
+    assert len(data["date"]) == 10 and data["inter_gbs"] is None  # ISO date; no group spans nodes
+    assert set(data["groups"]) == {"tp"}
+    tp = data["groups"]["tp"]
+    assert tp["size"] == 2 and tp["spans_nodes"] is False
+    assert set(tp["busbw_gbs"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    assert all(isinstance(v, float) and v > 0 for v in tp["busbw_gbs"].values())
+    assert data["intra_gbs"] == statistics.median([tp["busbw_gbs"]["all_gather"], tp["busbw_gbs"]["reduce_scatter"]])
+
+
+def _gather_without_sum(grad, axis, dim, sizes):
+    from distributed.collectives import own_chunk
+
+    return own_chunk(grad, axis, dim).contiguous()  # the planted defect: all_gather_region's backward forgets the sum
+
+
+def _row_bias_on_every_rank(forward):
+    """The defect: RowParallelLinear's bias added on every rank before the reduction (summed t times)."""
+    return lambda self, x: forward(self, x) + (self.axis.size - 1) * self.bias
+
+
+def _doctor_rank(rank: int, world: int, argv: list[str], fault: str) -> int:
+    """The doctor's rank command with `fault` planted in this pooled process (and removed after)."""
+    from distributed import mappings
+    from distributed.tensor.layers import RowParallelLinear
+    from utils.doctor.run import rank_command
+
+    target, name, defect = {
+        "mapping": (mappings._AllGatherRegion, "backward",
+                    staticmethod(lambda ctx, grad: (_gather_without_sum(grad, ctx.axis, ctx.dim, None), None, None, None))),
+        "layer": (RowParallelLinear, "forward", _row_bias_on_every_rank(RowParallelLinear.forward))}[fault]
+    original = target.__dict__[name]
+    setattr(target, name, defect)
+    try:
+        return rank_command(list(argv))
+    except SystemExit as exit_:
+        return exit_.code
+    finally:
+        setattr(target, name, original)
+
+
+@pytest.mark.parametrize("fault, world, failing", [("mapping", 2, "all_gather_region on tp (2 ranks)"),
+                                                    ("layer", 4, "RowParallelLinear (SP off) on tp (4 ranks)")])
+def test_a_planted_fault_fails_the_doctor(fault, world, failing, tmp_path):
+    argv = [f"parallel.tp={world}", *TINY, "--skip", "bandwidth,layout", "--out", str(tmp_path)]
+    results = pool().run(_doctor_rank, world, argv, fault, timeout_s=120)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    kind = {"mapping": "mappings", "layer": "layers"}[fault]
+    assert results[0].value == EXIT_BITS[kind], (results[0].value, results[0].stdout[-3000:])
+    assert [r.value for r in results[1:]] == [0] * (world - 1)
+    checks = json.loads((tmp_path / "report.json").read_text())["checks"]
+    failed = {c["name"] for c in checks if c["status"] == "fail"}
+    assert any(name.startswith(failing) for name in failed), failed
+    assert {c["kind"] for c in checks if c["status"] == "fail"} == {kind}
+    assert not (tmp_path / "bandwidths.json").exists()  # skipped: no file claims figures it did not measure
+
+
+def test_bad_options_are_refused_before_any_work(tmp_path):
+    from tests.helpers import run_main
+
+    code, _, err = run_main("utils.doctor.run", "--steps", "0", "--out", str(tmp_path))
+    assert code == 2 and err.startswith("error: bad --steps value '0' (--steps)")
+    code, _, err = run_main("utils.doctor.run", "--skip", "environment")
+    assert code == 2 and "(--skip)" in err
+    assert not any(tmp_path.iterdir())
