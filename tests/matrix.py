@@ -1,18 +1,22 @@
 """The space of layouts the config accepts, and an all-pairs covering set of it: the combination matrix.
 
-A case sets ten factors (FACTORS). A factor that does not act in a case is inactive and set to None
-(the schedule without pp, cp_attention without cp, sequence parallelism without tp, dp_mode without a
-dp x cp group to shard over, the order with fewer than two axes above 1), so the space holds each
-distinct run once. Whether a case is accepted is decided by the trainer's own checks, run without
-launching anything: the typed config's validation (`Config.__post_init__`, via `dataclasses.replace`
-on a config composed once per model), the grid check against the world size, and the batch check
-(`build_run` makes the same three before any work). A refused case carries that one-line error.
+A case sets the factors of FACTORS. A factor that does not act in a case is inactive and set to None (the
+schedule without pp, cp_attention without cp, cp_a2a without the hierarchical variant, sequence
+parallelism without tp, dp_mode without a dp x cp group to shard over, the order with fewer than two axes
+above 1), so the space holds each distinct run once. cp=4 is in the space for the hierarchical variant
+(which needs two groups of cp_a2a=2), the other variants run at cp=4 in tests/test_cp_variants.py.
+Whether a case is accepted is decided by the trainer's own checks, run without launching anything: the
+typed config's validation (`Config.__post_init__`, via `dataclasses.replace` on a config composed once
+per model), the grid check against the world size, and the batch check (`build_run` makes the same three
+before any work). A refused case carries that one-line error.
 
 `covering_set()`: every pair of (factor, value) settings that occurs together in some accepted case
-occurs in at least one accepted case of the set (greedy all-pairs: each pick covers the most pairs
-still uncovered, the cheaper case first among equals), and every pair that occurs only in refused
-cases gets one refused case, whose refusal the matrix then checks. `random_cases(seed, n)` draws
-accepted cases for longer runs outside the default suite (`pytest --matrix-seed S --matrix-cases N`).
+occurs in at least one accepted case of the set (greedy all-pairs: each pick covers the most pairs still
+uncovered, the cheaper case first among equals), and every pair that occurs only in refused cases gets
+one refused case, whose refusal the matrix then checks, unless every case holding it holds a more general
+such pair (`_causes`: hierarchical with pp=2 is refused because hierarchical at cp=2 is).
+`random_cases(seed, n)` draws accepted cases for longer runs outside the default suite (`pytest
+--matrix-seed S --matrix-cases N`).
 """
 
 from __future__ import annotations
@@ -32,14 +36,15 @@ MAX_WORLD = 4
 FACTORS = {
     "model": ("vit", "gpt", "llama"),
     "tp": (1, 2),
-    "cp": (1, 2),
+    "cp": (1, 2, 4),
     "pp": (1, 2, 4),
     "dp": (1, 2, 4),  # with tp, cp, pp: every world of 2 to MAX_WORLD ranks
     "order": ("tp-cp-dp-pp", "pp-dp-cp-tp"),  # nearest ranks first: the default, and its reverse
     "dp_mode": ("ddp", "fsdp"),
     "precision": ("fp32", "bf16", "fp16"),
     "schedule": SCHEDULES,
-    "cp_attention": ("allgather", "ring", "alltoall"),
+    "cp_attention": ("allgather", "ring", "alltoall", "hierarchical"),
+    "cp_a2a": (2, 3),  # hierarchical's all-to-all group: 2 divides cp=4 into two groups; 3 divides no cp
     "sequence_parallel": (True, False),
     "activation_checkpointing": (False, True),
     "grad_accum_steps": (1, 2),
@@ -65,6 +70,7 @@ class Case:
     precision: str
     schedule: str | None
     cp_attention: str | None
+    cp_a2a: int | None
     sequence_parallel: bool | None
     activation_checkpointing: bool
     grad_accum_steps: int
@@ -86,6 +92,7 @@ class Case:
         parts = [self.model, self.layout, self.precision]
         optional = {"order": self.order and f"o{self.order.replace('-', '')}", "dp_mode": self.dp_mode,
                     "schedule": self.schedule, "cp_attention": self.cp_attention,
+                    "cp_a2a": self.cp_a2a and f"a2a{self.cp_a2a}",
                     "sequence_parallel": self.sequence_parallel is not None and f"sp{int(self.sequence_parallel)}"}
         parts += [v for v in optional.values() if v]
         parts += ["ac" if self.activation_checkpointing else "", f"acc{self.grad_accum_steps}"]
@@ -98,7 +105,8 @@ class Case:
                 f"precision={self.precision}", f"trainer.grad_accum_steps={self.grad_accum_steps}",
                 f"trainer.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
         optional = {"order": "parallel.order", "dp_mode": "parallel.dp_mode", "schedule": "parallel.pp_schedule",
-                    "cp_attention": "parallel.cp_attention", "sequence_parallel": "parallel.sequence_parallel"}
+                    "cp_attention": "parallel.cp_attention",
+                    "cp_a2a": "parallel.cp_a2a", "sequence_parallel": "parallel.sequence_parallel"}
         for field, key in optional.items():
             value = getattr(self, field)
             if value is not None:
@@ -109,20 +117,35 @@ class Case:
         return tuple((n, getattr(self, n)) for n in NAMES if getattr(self, n) is not None)
 
 
+def _acting(tp: int, cp: int, pp: int, dp: int) -> dict[str, bool]:
+    """Which of the factors that can be inactive act in a layout (cp_a2a only with cp_attention=hierarchical)."""
+    return {"order": sum(s > 1 for s in (tp, cp, pp, dp)) >= 2, "dp_mode": dp * cp > 1, "schedule": pp > 1,
+            "cp_attention": cp > 1, "cp_a2a": cp > 1, "sequence_parallel": tp > 1}
+
+
 def normalize(values: dict) -> Case | None:
-    """The case of these factor values with every inactive factor set to None (None: not 2..MAX_WORLD ranks)."""
+    """The case of these factor values with every inactive factor set to None (None: not 2..MAX_WORLD ranks,
+    or cp=4 without the hierarchical variant: the space has cp=4 for it, tests/test_cp_variants.py runs the
+    others at cp=4)."""
     tp, cp, pp, dp = (values[axis] for axis in ("tp", "cp", "pp", "dp"))
-    if not 2 <= tp * cp * pp * dp <= MAX_WORLD:
+    if not 2 <= tp * cp * pp * dp <= MAX_WORLD or (cp == 4 and values["cp_attention"] != "hierarchical"):
         return None
-    active = {"order": sum(s > 1 for s in (tp, cp, pp, dp)) >= 2, "dp_mode": dp * cp > 1, "schedule": pp > 1,
-              "cp_attention": cp > 1, "sequence_parallel": tp > 1}
+    active = _acting(tp, cp, pp, dp)
+    active["cp_a2a"] = active["cp_a2a"] and values["cp_attention"] == "hierarchical"
     return Case(**{n: (values[n] if active.get(n, True) else None) for n in NAMES})
 
 
 @cache
 def space() -> tuple[Case, ...]:
-    """Every distinct case of the factors."""
-    cases = {normalize(dict(zip(NAMES, values))) for values in itertools.product(*FACTORS.values())} - {None}
+    """Every distinct case of the factors (for each layout, the product of the factors acting in it)."""
+    axes = ("tp", "cp", "pp", "dp")
+    cases = set()
+    for sizes in itertools.product(*(FACTORS[a] for a in axes)):
+        acting = _acting(*sizes)
+        free = [n for n in NAMES if n not in axes and acting.get(n, True)]
+        for values in itertools.product(*(FACTORS[n] for n in free)):
+            cases.add(normalize({**dict.fromkeys(NAMES), **dict(zip(axes, sizes)), **dict(zip(free, values))}))
+    cases.discard(None)
     return tuple(sorted(cases, key=lambda c: c.name))
 
 
@@ -133,6 +156,7 @@ def _base_configs():
     return {model: load_config(args)[0] for model, args in MODEL_ARGS.items()}
 
 
+@cache
 def refusal(case: Case) -> str | None:
     """The one-line error the trainer refuses the case with before any work, or None if it accepts it."""
     from distributed.pipeline.stage_plan import resolve_plan
@@ -144,7 +168,7 @@ def refusal(case: Case) -> str | None:
     tp, cp, pp, dp = case.sizes
     par = dict(tp=tp, cp=cp, pp=pp, dp=dp, order=case.order or base.parallel.order,
                dp_mode=case.dp_mode or "ddp", pp_schedule=case.schedule or base.parallel.pp_schedule,
-               cp_attention=case.cp_attention or base.parallel.cp_attention,
+               cp_attention=case.cp_attention or base.parallel.cp_attention, cp_a2a=case.cp_a2a or base.parallel.cp_a2a,
                sequence_parallel=True if case.sequence_parallel is None else case.sequence_parallel)
     try:
         cfg = dataclasses.replace(
@@ -198,13 +222,30 @@ def covering_set() -> tuple[tuple[Case, ...], tuple[tuple[Case, str], ...]]:
         best = max(accepted, key=lambda c: (masks[c] & uncovered).bit_count())  # the cheapest among equals
         chosen.append(best)
         uncovered &= ~masks[best]
-    covered = set(index)  # every pair of an accepted case, now covered
+    causes = _causes(sorted((c for c, why in verdicts.items() if why is not None), key=_cost), set(index))
     refused = []
     for case in sorted((c for c, why in verdicts.items() if why is not None), key=_cost):
-        if new := set(_pairs(case)) - covered:
+        if new := set(_pairs(case)) & causes:
             refused.append((case, verdicts[case]))
-            covered |= new
+            causes -= new
     return tuple(chosen), tuple(refused)
+
+
+def _causes(refused: list[Case], accepted_pairs: set) -> set:
+    """The pairs only refused cases have, less those whose every case also holds a more general such pair
+    (a pair held by a superset of its cases: hierarchical with pp=2 is refused because hierarchical at cp=2
+    is, every case of the one being a case of the other), which a refused case of the general pair explains."""
+    masks, index = _masks(refused)
+    holders: dict[tuple, int] = {}
+    for bit, case in enumerate(refused):
+        for pair in _pairs(case):
+            holders[pair] = holders.get(pair, 0) | 1 << bit
+    only = sorted((p for p in holders if p not in accepted_pairs), key=lambda p: (-holders[p].bit_count(), str(p)))
+    roots: list[tuple] = []
+    for pair in only:  # the most general first: a pair is implied when a root's cases include all of its own
+        if not any(holders[pair] & ~holders[root] == 0 for root in roots):
+            roots.append(pair)
+    return set(roots)
 
 
 def random_cases(seed: int, count: int) -> list[Case]:

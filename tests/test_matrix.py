@@ -143,6 +143,20 @@ def test_covering_set_covers_every_accepted_pair():
     assert needed == covered and len(ACCEPTED) < len(space()) / 20
 
 
+def test_hierarchical_accepted_where_its_groups_fit():
+    """parallel.cp_attention=hierarchical is refused for its groups exactly where cp < 4 or cp_a2a does not
+    divide cp (in one line); the covering set runs it on every model and checks both refusals."""
+    from tests.matrix import refusal, space
+
+    for case in (c for c in space() if c.cp_attention == "hierarchical"):
+        fits = case.cp >= 4 and case.cp % case.cp_a2a == 0
+        why = refusal(case) or ""  # fsdp with fp16 is refused for its own reason
+        assert why.startswith("parallel.cp_attention=hierarchical needs groups of ") != fits, (case.name, why)
+    chosen = [c for c in ACCEPTED if c.cp_attention == "hierarchical"]
+    assert {c.model for c in chosen} == {"vit", "gpt", "llama"} and all(c.cp == 4 for c in chosen)
+    assert {c.cp_a2a for c, _ in REFUSED if c.cp_attention == "hierarchical"} == {2, 3}
+
+
 def test_random_cases(tmp_path, request, references):
     """`pytest tests/test_matrix.py --matrix-seed S --matrix-cases N -k random`: N seeded random cases of the
     whole accepted space, for longer runs outside the default suite (skipped without --matrix-cases)."""
