@@ -8,6 +8,7 @@ as is, with random batches instead of loaders.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -52,19 +53,29 @@ class BuiltModel:
     forward: PipelineForward | None = None  # pp > 1: the forward-only pass through every stage
 
 
-def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
-    """Full weights from the seed (identical on every rank and layout), then this rank's stages and shards."""
+def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltModel:
+    """Full weights from the seed (identical on every rank and layout), then this rank's stages and shards.
+
+    values=False (the planner): the serial model built on the meta device (shapes, no memory, no init),
+    its shards cut there (the parallel layers follow their serial weights' device), then only this rank's
+    parts allocated on grid.device, uninitialised, buffers zeroed (an index buffer stays in range). Every
+    shape, dtype and collective is the real model's; no value is."""
     torch.manual_seed(cfg.trainer.seed)
-    model = task.build_model()  # full serial weights on CPU
-    flops = training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(),  # before sharding
-                                      cfg.model.depth, cfg.model.embed_dim)
+    with contextlib.nullcontext() if values else torch.device("meta"):
+        model = task.build_model()  # full serial weights on CPU (values=False: on meta; shards follow)
+    flops = flops_per_sample(cfg, task, model)  # before sharding
     plan = pipeline_plan(cfg) if grid.size(Axis.PP) > 1 else None
     if plan is not None:
         model = cut_for_rank(model, plan, grid.rank(Axis.PP))
     model = parallelize(model, grid=grid, sequence_parallel=cfg.parallel.sequence_parallel,
                         keep_gathered=cfg.parallel.sp_keep_gathered)
     model = parallelize_context(model, grid=grid, variant=cfg.parallel.cp_attention)
-    model.to(grid.device)
+    if values:
+        model.to(grid.device)
+    else:
+        model.to_empty(device=grid.device)
+        for buffer in model.buffers():
+            buffer.zero_()
     if cfg.trainer.activation_checkpointing or cfg.precision.compile:
         wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
     # The stream dropout draws from: fixed by the seed after setup (which draws differently per layout),
@@ -79,6 +90,12 @@ def build_model(cfg: Config, task, grid: Grid) -> BuiltModel:
     if plan is None:
         return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
     return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
+
+
+def flops_per_sample(cfg: Config, task, model: nn.Module) -> float:
+    """Training FLOPs of one sample of the full serial `model` (any device, meta included)."""
+    return training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(), cfg.model.depth,
+                                     cfg.model.embed_dim)
 
 
 def pipeline_plan(cfg: Config) -> PipelinePlan:
@@ -184,10 +201,12 @@ def init_weights_from(trainer: Trainer, folder: Path) -> None:
     trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
 
 
-def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: Path) -> Trainer:
-    """Model, optimizer, schedule, scaler and checkpointer: a trainer that can take steps (no data yet)."""
+def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: Path, *,
+                  values: bool = True) -> Trainer:
+    """Model, optimizer, schedule, scaler and checkpointer: a trainer that can take steps (no data yet).
+    values=False: weights without values (build_model), for the planner's shapes-only step."""
     configure_matmul(cfg.precision.mode)
-    built = build_model(cfg, task, grid)
+    built = build_model(cfg, task, grid, values=values)
     optimizer = build_optimizer(cfg.optim, param_groups(built.raw))
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
     scaler = grad_scaler(cfg.precision.mode, grid.device, grid.world)

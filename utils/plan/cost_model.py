@@ -255,8 +255,10 @@ def measure(cfg, grid, trainer) -> tuple[dict[str, int], int]:
     return grid.comm_bytes(), activation
 
 
-def plan_layout(overrides: list[str], hw: Hardware, world: int) -> LayoutPlan:
-    """Build the real trainer of rank 0 of this layout on a fake group and take one shapes-only step."""
+def plan_layout(overrides: list[str], hw: Hardware, world: int, *, values: bool = False) -> LayoutPlan:
+    """Build the real trainer of rank 0 of this layout on a fake group and take one shapes-only step.
+    The weights are built on the meta device and allocated without values (values=True: initialised
+    as a run does; the same figures, tests/test_plan.py checks it, at the cost of the full model's init)."""
     import logging
     import tempfile
     import warnings
@@ -273,7 +275,8 @@ def plan_layout(overrides: list[str], hw: Hardware, world: int) -> LayoutPlan:
         warnings.simplefilter("ignore")  # DDP's and the scheduler's warnings about a step that is not one
         grid = init_grid(cfg.parallel)
         check_batch_for(cfg, grid)
-        trainer = build_trainer(cfg, build_task(cfg, load_data=False), grid, logging.getLogger("plan"), Path(tmp))
+        trainer = build_trainer(cfg, build_task(cfg, load_data=False), grid, logging.getLogger("plan"), Path(tmp),
+                                values=values)
         plan = LayoutPlan(grid.name, list(overrides))
         plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes = held_bytes(trainer)
         plan.comm_bytes, plan.activation_bytes = measure(cfg, grid, trainer)
