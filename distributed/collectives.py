@@ -8,7 +8,8 @@ Three things live here so that nothing else writes them:
 - Counted collectives on an `AxisGroup`: `all_reduce` (functional, traceable by torch.compile, used by
   the mappings and the vocab-parallel loss), `all_reduce_` (in place, for gradients and metrics),
   `all_reduce_coalesced_` (many tensors, one flat buffer), `all_gather`/`reduce_scatter` along a dim
-  with padding for uneven splits (gloo has no all-gatherv), `broadcast_object` (a small picklable
+  with padding for uneven splits (gloo has no all-gatherv; on gloo a reduce-scatter runs as an
+  all-reduce that keeps this rank's chunk, cheaper there: `reduce_scatter_via`), `broadcast_object` (a small picklable
   decision of one rank, e.g. which checkpoint to resume), `broadcast_` and `barrier`.
 - `send`/`recv`: blocking point-to-point (the pipeline's forward-only pass for validation; training
   steps use torch.distributed.pipelining's own send/recv, counted by distributed/pipeline/stages.py).
@@ -138,9 +139,29 @@ def all_gather(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: Sequence[int])
     return torch.cat([gathered.narrow(dim, r * longest, s) for r, s in enumerate(sizes)], dim=dim)
 
 
-def reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
-    """Sum `x` over `axis` and keep this rank's chunk along `dim` (split_sizes convention); traceable."""
+REDUCE_SCATTER_VIA = ("reduce_scatter", "all_reduce")
+
+
+def reduce_scatter_via(axis: AxisGroup) -> str:
+    """How `reduce_scatter` runs on `axis`: 'all_reduce' (sum the whole tensor, keep this rank's chunk) on
+    gloo, whose reduce-scatter costs more than its all-reduce of the same tensor at activation sizes
+    (docs/measurements.md), 'reduce_scatter' elsewhere (NCCL: Megatron's schedule, half the bytes)."""
+    return "all_reduce" if axis.group is not None and dist.get_backend(axis.group) == "gloo" else "reduce_scatter"
+
+
+def reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int, via: str | None = None) -> torch.Tensor:
+    """Sum `x` over `axis` and keep this rank's chunk along `dim` (split_sizes convention); traceable.
+
+    `via`: 'reduce_scatter' (a reduce-scatter: (n-1)/n of x's bytes sent) or 'all_reduce' (an all-reduce,
+    then this rank's chunk: 2(n-1)/n of x's bytes, no padding for uneven splits); None: `reduce_scatter_via`
+    of the axis' backend. Both give the same values; each counts the bytes it sends.
+    """
+    via = reduce_scatter_via(axis) if via is None else via
+    assert via in REDUCE_SCATTER_VIA, f"unknown reduce-scatter path {via!r}"
     n = axis.size
+    if via == "all_reduce":
+        total = all_reduce(x, axis)  # counted: 2(n-1)/n x bytes(x)
+        return own_chunk(total, axis, dim).contiguous()
     sizes = split_sizes(x.shape[dim], n)
     longest = max(sizes)
     if any(s != longest for s in sizes):

@@ -25,7 +25,9 @@ The collectives are the functional, counted ones of `distributed/collectives.py`
 traces without graph breaks. Each records on its axis the bytes this rank sends with the ring
 algorithm (`ring_bytes`), n = axis.size: all-reduce 2(n-1)/n x bytes(tensor), all-gather (n-1)/n x
 bytes(gathered output), reduce-scatter (n-1)/n x bytes(full input); for uneven splits that is the
-padded buffer actually sent. Recording goes through `distributed.counting.record`, whose custom op
+padded buffer actually sent. A reduce-scatter on gloo runs as an all-reduce that keeps this rank's
+chunk (cheaper there; `distributed.collectives.reduce_scatter_via`) and counts the all-reduce's
+2(n-1)/n x bytes(full input); NCCL keeps Megatron's reduce-scatter. Recording goes through `distributed.counting.record`, whose custom op
 torch.compile keeps in its graphs, so compiled regions count the same bytes as eager ones, in the
 forward and in the compiled backward. Byte counts stay integer arithmetic (SymInts under dynamic
 shapes: no specialization). Activation checkpointing: eager recomputation re-runs the forward
@@ -111,13 +113,13 @@ class _AllGatherRegion(torch.autograd.Function):
     """All-gather along `dim` forward; reduce-scatter of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int]) -> torch.Tensor:
-        ctx.axis, ctx.dim = axis, dim
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int, sizes: list[int], via: str | None) -> torch.Tensor:
+        ctx.axis, ctx.dim, ctx.via = axis, dim, via
         return all_gather(x, axis, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter(grad, ctx.axis, ctx.dim), None, None, None
+        return reduce_scatter(grad, ctx.axis, ctx.dim, ctx.via), None, None, None, None
 
 
 class _AllGatherLinear(torch.autograd.Function):
@@ -127,11 +129,11 @@ class _AllGatherLinear(torch.autograd.Function):
     would; their gradients are returned in their own dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, axis: AxisGroup, dim: int, sizes: list[int]):
+    def forward(ctx, x, weight, bias, axis: AxisGroup, dim: int, sizes: list[int], via: str | None):
         w = weight.to(x.dtype)
         y = F.linear(all_gather(x, axis, dim, sizes), w, None if bias is None else bias.to(x.dtype))
         ctx.save_for_backward(x, w)  # the shard (1/t of the gathered input) and the weight as used
-        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
+        ctx.axis, ctx.dim, ctx.sizes, ctx.via = axis, dim, sizes, via
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return y
 
@@ -140,25 +142,25 @@ class _AllGatherLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         full = all_gather(x, ctx.axis, ctx.dim, ctx.sizes)  # the re-gather: counted like the forward one
         grad = grad.to(w.dtype)
-        grad_x = reduce_scatter(grad.matmul(w), ctx.axis, ctx.dim)  # (..., N_local, in)
+        grad_x = reduce_scatter(grad.matmul(w), ctx.axis, ctx.dim, ctx.via)  # (..., N_local, in)
         rows = grad.reshape(-1, grad.shape[-1])  # (B*N, out_local)
         grad_w = rows.t().matmul(full.reshape(-1, full.shape[-1])).to(ctx.dtypes[0])
         grad_b = None if ctx.dtypes[1] is None else rows.sum(0).to(ctx.dtypes[1])
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _ReduceScatterRegion(torch.autograd.Function):
     """Reduce-scatter along `dim` forward; all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, dim: int, via: str | None) -> torch.Tensor:
         ctx.axis, ctx.dim = axis, dim
         ctx.sizes = split_sizes(x.shape[dim], axis.size)
-        return reduce_scatter(x, axis, dim)
+        return reduce_scatter(x, axis, dim, via)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_gather(grad, ctx.axis, ctx.dim, ctx.sizes), None, None
+        return all_gather(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
 
 
 def copy_to_region(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
@@ -202,37 +204,39 @@ def gather_from_region(x: torch.Tensor, axis: AxisGroup, dim: int,
     return _GatherFromRegion.apply(x, axis, dim, _resolve_sizes(x, axis, dim, sizes))
 
 
-def all_gather_region(x: torch.Tensor, axis: AxisGroup, dim: int,
-                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+def all_gather_region(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: Sequence[int] | None = None,
+                      via: str | None = None) -> torch.Tensor:
     """Sequence shards -> full sequence for a tensor-parallel block: fwd all-gather, bwd reduce-scatter.
 
     The `g` operator of sequence parallelism (Korthikanti et al. 2022, fig. 5), replacing Megatron's
     `f`: the gradients of the replicated full input are partial over `axis`, summed and split back.
+    `via`: how the backward reduce-scatter runs (`distributed.collectives.reduce_scatter`; None: by backend).
     """
     if axis.size == 1:
         return x
     dim %= x.dim()
-    return _AllGatherRegion.apply(x, axis, dim, _resolve_sizes(x, axis, dim, sizes))
+    return _AllGatherRegion.apply(x, axis, dim, _resolve_sizes(x, axis, dim, sizes), via)
 
 
 def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, axis: AxisGroup, dim: int,
-                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+                      sizes: Sequence[int] | None = None, via: str | None = None) -> torch.Tensor:
     """`F.linear(all_gather_region(x, axis, dim, sizes), weight, bias)`, keeping only the shard `x` for
     backward, which all-gathers it again: activation memory of the column-parallel input falls to 1/t
-    for one more all-gather per layer in backward. Computes in x's dtype."""
+    for one more all-gather per layer in backward. Computes in x's dtype. `via`: as for `all_gather_region`."""
     if axis.size == 1:
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     dim %= x.dim()
-    return _AllGatherLinear.apply(x, weight, bias, axis, dim, _resolve_sizes(x, axis, dim, sizes))
+    return _AllGatherLinear.apply(x, weight, bias, axis, dim, _resolve_sizes(x, axis, dim, sizes), via)
 
 
-def reduce_scatter_region(x: torch.Tensor, axis: AxisGroup, dim: int) -> torch.Tensor:
+def reduce_scatter_region(x: torch.Tensor, axis: AxisGroup, dim: int, via: str | None = None) -> torch.Tensor:
     """Partial full-sequence outputs -> summed sequence shards: fwd reduce-scatter, bwd all-gather.
 
     The `g-bar` operator of sequence parallelism (Korthikanti et al. 2022, fig. 5), replacing
-    Megatron's `g` after a row-parallel linear.
+    Megatron's `g` after a row-parallel linear. `via`: how the reduce-scatter runs
+    (`distributed.collectives.reduce_scatter`: 'reduce_scatter' or 'all_reduce'; None: by the axis' backend).
     """
-    return x if axis.size == 1 else _ReduceScatterRegion.apply(x, axis, dim % x.dim())
+    return x if axis.size == 1 else _ReduceScatterRegion.apply(x, axis, dim % x.dim(), via)
 
 
 class _SequenceToHeads(torch.autograd.Function):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import mappings as M
-from distributed.collectives import ring_bytes
+from distributed.collectives import REDUCE_SCATTER_VIA, reduce_scatter_via, ring_bytes
 from tests.helpers import run_ranks
 from utils.comm import AxisGroup, ParallelConfig, init_grid
 
@@ -112,8 +112,8 @@ def _check_forward_values(axis: AxisGroup, length: int) -> None:
 
 def _check_bytes(axis: AxisGroup) -> None:
     """Ring volumes, in units of (n-1)/n x B for a full tensor of B bytes: an all-reduce is 2 units,
-    an all-gather or a reduce-scatter 1. Forward and backward are counted together; uneven
-    gathers count the padded buffer they send."""
+    an all-gather or a reduce-scatter 1; a reduce-scatter run as an all-reduce (gloo's path) 2. Forward
+    and backward are counted together; uneven gathers count the padded buffer they send."""
     n, length = axis.size, 4 * axis.size
     full = _full(1, length).requires_grad_(True)
     unit = (n - 1) * full.numel() * full.element_size() // n
@@ -121,22 +121,57 @@ def _check_bytes(axis: AxisGroup) -> None:
     def scatter(t):  # backward: 1 unit
         return M.scatter_to_region(t, axis, DIM)
 
-    expected = {
-        "copy": (lambda t: M.copy_to_region(t, axis), 2 * unit),
-        "reduce": (lambda t: M.reduce_from_region(t, axis), 2 * unit),
-        "scatter": (scatter, unit),
-        "gather": (lambda t: M.gather_from_region(scatter(t), axis, DIM), 2 * unit),
-        "all_gather": (lambda t: M.all_gather_region(scatter(t), axis, DIM), 3 * unit),
-        "reduce_scatter": (lambda t: M.reduce_scatter_region(t, axis, DIM), 2 * unit),
-    }
-    for name, (fn, want) in expected.items():
-        axis.bytes_moved = 0
-        fn(full).sum().backward()
-        assert axis.bytes_moved == want, (name, axis.bytes_moved, want)
+    rs = {"reduce_scatter": unit, "all_reduce": 2 * unit}
+    assert reduce_scatter_via(axis) == "all_reduce"  # the default on gloo
+    for via in (None, *REDUCE_SCATTER_VIA):
+        reduce_scatter = rs[via or "all_reduce"]
+        expected = {
+            "copy": (lambda t: M.copy_to_region(t, axis), 2 * unit),
+            "reduce": (lambda t: M.reduce_from_region(t, axis), 2 * unit),
+            "scatter": (scatter, unit),
+            "gather": (lambda t: M.gather_from_region(scatter(t), axis, DIM), 2 * unit),
+            "all_gather": (lambda t: M.all_gather_region(scatter(t), axis, DIM, via=via), 2 * unit + reduce_scatter),
+            "reduce_scatter": (lambda t: M.reduce_scatter_region(t, axis, DIM, via=via), unit + reduce_scatter),
+        }
+        for name, (fn, want) in expected.items():
+            axis.bytes_moved = 0
+            fn(full).sum().backward()
+            assert axis.bytes_moved == want, (name, via, axis.bytes_moved, want)
     sizes = M.split_sizes(7, n)  # uneven: every rank sends max(sizes) rows, n - 1 times
     axis.bytes_moved = 0
     M.gather_from_region(_full(0, sizes[axis.rank]), axis, DIM, sizes)
     assert axis.bytes_moved == (n - 1) * max(sizes) * SHAPE[0] * SHAPE[2] * 8
+    axis.bytes_moved = 0  # uneven reduce-scatter: the padded input (Megatron's path), the whole input (gloo's)
+    part = _full(5, 7)
+    padded = n * max(sizes) * SHAPE[0] * SHAPE[2] * 8
+    M.reduce_scatter_region(part, axis, DIM, via="reduce_scatter")
+    assert axis.bytes_moved == (n - 1) * padded // n
+    axis.bytes_moved = 0
+    M.reduce_scatter_region(part, axis, DIM, via="all_reduce")
+    assert axis.bytes_moved == 2 * (n - 1) * part.numel() * 8 // n
+
+
+def _check_paths_agree(axis: AxisGroup, length: int) -> None:
+    """The reduce-scatter's two paths (NCCL's reduce-scatter, gloo's all-reduce + own chunk) give the same
+    values and gradients in every mapping that reduce-scatters: reduce_scatter_region (forward),
+    all_gather_region and all_gather_linear (backward); and each path is an adjoint pair on its own."""
+    r, sizes = axis.rank, M.split_sizes(length, axis.size)
+    own, mine = _full(10 + r, sizes[r]), _full(30 + r, length)
+    cases = [  # (fn(t, via), input, cotangent)
+        (lambda t, via: M.reduce_scatter_region(t, axis, DIM, via=via), mine, _full(20 + r, sizes[r])),
+        (lambda t, via: M.all_gather_region(t, axis, DIM, sizes, via=via), own, _full(40 + r, length)),
+        (lambda t, via: M.all_gather_linear(t, _weight(50 + r), None, axis, DIM, sizes, via=via), own,
+         _full(60 + r, length)[..., :4]),
+    ]
+    for fn, x, y in cases:
+        results = []
+        for via in REDUCE_SCATTER_VIA:
+            _check_adjoint(lambda t: fn(t, via), x, y, False, False, axis)
+            leaf = x.clone().requires_grad_(True)
+            out = fn(leaf, via)
+            out.backward(y)
+            results.append((out.detach(), leaf.grad))
+        torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-12)
 
 
 def _check_compiles(axis: AxisGroup) -> None:
@@ -166,6 +201,7 @@ def _mapping_checks(rank: int, world_size: int) -> None:
             _check_adjoint(fn, x, y, in_rep, out_rep, axis)
         _check_forward_values(axis, length)
         _check_gather_linear(axis, length)
+        _check_paths_agree(axis, length)
     _check_bytes(axis)
     if world_size == 2:
         _check_compiles(axis)
