@@ -28,7 +28,8 @@ SLOW_TESTS = {"test_compiled_training_follows_eager", "test_a_nan_on_one_rank_is
               "test_fine_tuning_starts_from_a_checkpoint_of_another_layout",
               "test_fine_tuning_from_another_model_or_no_checkpoint_is_one_line",
               "test_import_finetune_tp2pp2_export_loads_in_transformers", "test_a_pretrained_model_trains_under_every_layout",
-              "test_init_from_a_folder_of_another_model_is_refused_before_work"}
+              "test_init_from_a_folder_of_another_model_is_refused_before_work",
+              "test_a_healthy_layout_passes_with_a_report_and_a_bandwidth_file", "test_a_planted_fault_fails_the_doctor"}
 
 
 def pytest_collection_modifyitems(config, items):
