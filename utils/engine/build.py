@@ -58,8 +58,8 @@ def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltM
 
     values=False (the planner): the serial model built on the meta device (shapes, no memory, no init),
     its shards cut there (the parallel layers follow their serial weights' device), then only this rank's
-    parts allocated on grid.device, uninitialised, buffers zeroed (an index buffer stays in range). Every
-    shape, dtype and collective is the real model's; no value is."""
+    parts allocated on grid.device without values (`allocate_empty`). Every shape, dtype, tie and collective
+    is the real model's; no value is."""
     torch.manual_seed(cfg.trainer.seed)
     with contextlib.nullcontext() if values else torch.device("meta"):
         model = task.build_model()  # full serial weights on CPU (values=False: on meta; shards follow)
@@ -73,9 +73,7 @@ def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltM
     if values:
         model.to(grid.device)
     else:
-        model.to_empty(device=grid.device)
-        for buffer in model.buffers():
-            buffer.zero_()
+        allocate_empty(model, grid.device)
     if cfg.trainer.activation_checkpointing or cfg.precision.compile:
         wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
     # The stream dropout draws from: fixed by the seed after setup (which draws differently per layout),
@@ -90,6 +88,23 @@ def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltM
     if plan is None:
         return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
     return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
+
+
+def allocate_empty(model: nn.Module, device: torch.device) -> None:
+    """Meta parameters and buffers of `model` allocated on `device` without values, buffers zeroed (an index
+    buffer stays in range). Unlike Module.to_empty, a tensor shared by several modules (a tied head and
+    embedding) stays one tensor."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty_like(t, device=device)
+                    is_param = isinstance(t, nn.Parameter)
+                    made[id(t)] = nn.Parameter(empty, t.requires_grad) if is_param else empty.zero_()
+                tensors[name] = made[id(t)]
 
 
 def flops_per_sample(cfg: Config, task, model: nn.Module) -> float:
