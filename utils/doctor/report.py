@@ -50,7 +50,8 @@ def failed_kinds(code: int) -> list[str]:
 def markdown(checks: list[Check], header: dict) -> str:
     """The report as markdown: the run's facts, then one table row per check, then the verdict."""
     lines = ["# dlscale doctor report", ""]
-    lines += [f"- {key}: {value}" for key, value in header.items()]
+    lines += [f"- {key}: {', '.join(f'{k} {v}' for k, v in value.items()) if isinstance(value, dict) else value}"
+              for key, value in header.items()]
     lines += ["", "| class | check | status | detail |", "|---|---|---|---|"]
     for c in checks:
         status = {"pass": "pass", "warn": "WARN", "fail": "**FAIL**"}[c.status]

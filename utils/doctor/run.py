@@ -10,6 +10,7 @@ fails when it fails on any rank) and rank 0 writes the report and prints it. The
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import sys
@@ -132,7 +133,8 @@ def rank_main(cfg, options: dict) -> int:
     code = exit_status(checks)
     if grid.is_main:
         out = Path(opts["--out"]) if opts["--out"] else default_out_dir(cfg.run.root, grid.name)
-        header = {"layout": grid.signature, "model": cfg.model.arch, "precision": cfg.precision.mode, **facts}
+        header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "layout": grid.signature, "model": cfg.model.arch, "precision": cfg.precision.mode, **facts}
         header.pop("links")
         path = write_report(out, checks, header)
         (out / "links.txt").write_text(facts["links"] + "\n")
