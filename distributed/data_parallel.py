@@ -50,8 +50,9 @@ def wrap_data_parallel(model: nn.Module, *, grid: Grid, bucket_cap_mb: float = 2
 
     Collectives: one all-reduce (mean) per gradient bucket in backward, overlapped with it. At
     construction DDP checks parameter shapes and broadcasts the weights from the group's first rank.
-    Buffers are not broadcast each forward (`broadcast_buffers=False`): the models' only buffers are
-    constant rotary tables, identical on every rank, and the broadcast would be uncounted traffic.
+    Buffers are not broadcast each forward (`forward_sync_buffers=False`, torch 2.13's name for the deprecated
+    `broadcast_buffers`, which warned on every rank): the models' only buffers are constant rotary tables,
+    identical on every rank, and the broadcast would be uncounted traffic.
     """
     axis = grid.replicas
     if axis.size == 1:
@@ -59,7 +60,7 @@ def wrap_data_parallel(model: nn.Module, *, grid: Grid, bucket_cap_mb: float = 2
     device = grid.device
     ddp = DistributedDataParallel(model, process_group=axis.group, bucket_cap_mb=bucket_cap_mb,
                                   device_ids=[device] if device.type == "cuda" else None,
-                                  gradient_as_bucket_view=True, broadcast_buffers=False)
+                                  gradient_as_bucket_view=True, forward_sync_buffers=False)
     ddp.register_comm_hook((axis, grid.batch.size), _allreduce_mean_hook)
     return ddp
 

@@ -7,18 +7,27 @@
 # run_training: one rank per GPU (the tasks Slurm gives on a CPU-only allocation); stops with exit 2 and
 # a one-line error before any rank starts when nodes x tasks per node does not fit the layout; sets the
 # rendezvous (MASTER_ADDR, MASTER_PORT) and the environment; runs `srun python train.py` so that one
-# failed rank ends the job; requeues a job whose ranks stopped on a signal with a complete checkpoint.
+# failed rank ends the job; requeues a job whose ranks stopped on a signal with a complete checkpoint
+# (and says so, or that Slurm refused). Job logs go to submit/logs/ (the scripts' --output; appended to
+# across requeues with --open-mode=append). On a CPU-only partition: sbatch --gpus-per-node=0 --cpus-per-task=N.
 # run_tests: the test suite in one task (the multi-rank tests start their own ranks).
 # Both run from the directory sbatch was called in: the repository root.
 
 EXIT_BAD_INPUT=2  # utils/__init__.py: bad input, nothing started
 EXIT_PREEMPTED=75  # utils/engine/preemption.py: stopped on a signal with a complete checkpoint; run again to continue
 
+# The GPUs Slurm gives this node (0 on a CPU-only allocation: no --gpus-per-node, or --gpus-per-node=0).
+gpus_on_node() {
+    local gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+    gpus=${gpus##*:}  # --gpus-per-node=a100:4 -> 4
+    if [ "$gpus" -gt 0 ] 2>/dev/null; then echo "$gpus"; else echo 0; fi
+}
+
 # Ranks per node: one per GPU Slurm gives this node, else (CPU-only) the tasks per node it gives.
 tasks_per_node() {
-    local gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}
-    gpus=${gpus##*:}  # --gpus-per-node=a100:4 -> 4
-    if [ -n "$gpus" ] && [ "$gpus" -gt 0 ] 2>/dev/null; then
+    local gpus
+    gpus=$(gpus_on_node)
+    if [ "$gpus" -gt 0 ]; then
         echo "$gpus"
     elif [ -n "${SLURM_NTASKS_PER_NODE:-}" ]; then
         echo "$SLURM_NTASKS_PER_NODE"
@@ -57,7 +66,12 @@ check_layout() {
         fix="sbatch -N $(( (needed + per_node - 1) / per_node )) ..."
         if [ $(( needed % per_node )) -ne 0 ]; then
             fix="sbatch -N 1 --ntasks-per-node=$needed"
-            [ -z "${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}" ] || fix="$fix --gpus-per-node=$needed"
+            # a GPU job asks for one GPU per rank; a CPU-only job for tasks (and the CPUs each one gets)
+            if [ "$(gpus_on_node)" -gt 0 ]; then
+                fix="$fix --gpus-per-node=$needed"
+            else
+                fix="$fix --gpus-per-node=0 --cpus-per-task=${SLURM_CPUS_PER_TASK:-1}"
+            fi
             fix="$fix ..."
         fi
         [ $(( ranks % (needed / dp) )) -eq 0 ] && fix="$fix or set parallel.dp=$(( ranks / (needed / dp) ))"
@@ -96,11 +110,21 @@ srun_and_requeue() {
     srun -u --kill-on-bad-exit=1 --nodes="$nodes" --ntasks-per-node="$per_node" --ntasks=$(( nodes * per_node )) \
         ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "$@"
     rc=$?
-    if [ "$rc" -eq "$EXIT_PREEMPTED" ]; then
-        echo "ranks stopped with a checkpoint (exit $rc): requeueing job $SLURM_JOB_ID to continue from it"
-        scontrol requeue "$SLURM_JOB_ID"
-    fi
+    [ "$rc" -eq "$EXIT_PREEMPTED" ] && requeue_job
     return "$rc"
+}
+
+# Ask Slurm to requeue this job (it continues from the checkpoint its ranks wrote) and say what Slurm
+# answered: a job submitted with --no-requeue, or a cluster with JobRequeue=0, is refused.
+requeue_job() {
+    local answer
+    if answer=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); then
+        echo "ranks stopped with a checkpoint (exit $EXIT_PREEMPTED): job $SLURM_JOB_ID requeued, it continues from" \
+             "that checkpoint when Slurm starts it again"
+    else
+        echo "ranks stopped with a checkpoint (exit $EXIT_PREEMPTED): job $SLURM_JOB_ID not requeued" \
+             "(scontrol requeue: ${answer:-no answer}): submit the same command again to continue" >&2
+    fi
 }
 
 # Train with these overrides on every node of the job.

@@ -6,7 +6,8 @@
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
 #SBATCH --time=02:00:00
-#SBATCH --output=%x-%j.out
+#SBATCH --output=submit/logs/%x-%j.out
+#SBATCH --open-mode=append
 # SIGUSR1 to every rank 120 s before the time limit: each checkpoints and exits 75, and the job is requeued
 #SBATCH --signal=USR1@120
 #SBATCH --requeue

@@ -8,7 +8,8 @@
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=32
 #SBATCH --time=01:00:00
-#SBATCH --output=%x-%j.out
+#SBATCH --output=submit/logs/%x-%j.out
+#SBATCH --open-mode=append
 source "${SLURM_SUBMIT_DIR:-.}/submit/common.sh" || exit 2
 MULTI_RANK_TESTS=(
     tests/test_mappings.py tests/test_layers.py tests/test_grid.py tests/test_parallelize.py

@@ -1,7 +1,8 @@
 """The sbatch scripts in submit/, run on this machine through stand-in `srun` and `scontrol`.
 
 The stand-ins, written into a bin directory put first on PATH: `srun` starts the step's tasks here as local
-processes (CPU, gloo) with SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID/SLURM_NTASKS set per task, kills the others
+processes (CPU, gloo) with SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID/SLURM_NTASKS set per task (and, for
+`srun -u`, a pseudo-terminal as each task's stdout, as the real srun gives), kills the others
 when one exits non-zero (--kill-on-bad-exit: SIGTERM, SIGKILL 10 s later) and returns Slurm's status (a
 task killed by a signal outranks exit codes: 128 + signal, else the highest exit code); `scontrol show
 hostnames` answers `localhost` per node and `scontrol requeue` is recorded. Every training script trains
@@ -47,7 +48,21 @@ STRATEGIES = [
 
 SRUN = '''
 """Stand-in srun: the step's tasks as local processes; records each call in $STANDIN_DIR/srun.jsonl."""
-import json, os, signal, subprocess, sys, time
+import json, os, pty, signal, subprocess, sys, threading, time, tty
+
+
+def copy_out(fd):
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the task and its children closed the terminal
+            data = b""
+        if not data:
+            break
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    os.close(fd)
+
 
 args, opts = sys.argv[1:], {}
 while args and args[0].startswith("-"):
@@ -63,11 +78,20 @@ watched = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "HDF5_USE_FILE_LOCKI
 with open(os.path.join(os.environ["STANDIN_DIR"], "srun.jsonl"), "a") as f:
     f.write(json.dumps({"opts": opts, "command": args, "ntasks": ntasks, "per_node": per_node,
                         "env": {k: os.environ.get(k) for k in watched}}) + "\\n")
-procs = []
+procs, copies = [], []
 for rank in range(ntasks):
-    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node),
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_STEP_ID="0",
                SLURM_NODEID=str(rank // per_node), SLURM_NTASKS=str(ntasks), SLURM_STEP_NUM_TASKS=str(ntasks))
-    procs.append(subprocess.Popen(args, env=env))
+    if "-u" not in opts:
+        procs.append(subprocess.Popen(args, env=env))
+        continue
+    # srun -u (--unbuffered) gives each task a pseudo-terminal for its stdout, copied into the job log
+    main_fd, task_fd = pty.openpty()
+    tty.setraw(task_fd)  # what the task writes reaches the log unchanged
+    procs.append(subprocess.Popen(args, env=env, stdout=task_fd))
+    os.close(task_fd)
+    copies.append(threading.Thread(target=copy_out, args=(main_fd,)))
+    copies[-1].start()
 with open(os.path.join(os.environ["STANDIN_DIR"], "srun.pids"), "w") as f:
     f.write(" ".join(str(p.pid) for p in procs))
 kill_at = None
@@ -83,17 +107,22 @@ while any(p.poll() is None for p in procs):
             if p.poll() is None:
                 p.kill()
     time.sleep(0.005)  # react within milliseconds, as a real srun can
+for copy in copies:
+    copy.join(timeout=10)
 codes = [p.returncode for p in procs]
 signals = [-c for c in codes if c < 0]
 sys.exit(128 + max(signals) if signals else max(codes))
 '''
 
 SCONTROL = '''
-"""Stand-in scontrol: `show hostnames LIST` (localhost per node), `requeue ID` (recorded)."""
+"""Stand-in scontrol: `show hostnames LIST` (localhost per node), `requeue ID` (recorded; refused as Slurm
+refuses a job submitted with --no-requeue when STANDIN_NO_REQUEUE is set)."""
 import os, sys
 
 if sys.argv[1:3] == ["show", "hostnames"]:
     print("\\n".join(["localhost"] * int(os.environ.get("SLURM_NNODES", "1"))))
+elif sys.argv[1] == "requeue" and os.environ.get("STANDIN_NO_REQUEUE"):
+    sys.exit(f"Requested operation is presently disabled for job {sys.argv[2]}")
 elif sys.argv[1] == "requeue":
     with open(os.path.join(os.environ["STANDIN_DIR"], "requeue"), "a") as f:
         f.write(" ".join(sys.argv[2:]) + "\\n")
@@ -167,6 +196,14 @@ def test_every_script_parses_and_shares_one_helper():
     for script, *_ in STRATEGIES:
         text = (SUBMIT / script).read_text()
         assert "#SBATCH --signal=USR1@120" in text and "#SBATCH --requeue" in text, script
+    for path in scripts:  # a requeued job's log keeps its first attempt; logs in a folder git ignores
+        if path.name != "common.sh":
+            text = path.read_text()
+            assert "#SBATCH --output=submit/logs/%x-%j.out" in text and "#SBATCH --open-mode=append" in text, path.name
+    ignored = subprocess.run(["git", "check-ignore", "-q", "submit/logs/dlscale-dp-12.out"], cwd=ROOT, check=False)
+    kept = subprocess.run(["git", "ls-files", "--error-unmatch", "submit/logs/.gitignore"], cwd=ROOT, check=False,
+                          capture_output=True)
+    assert ignored.returncode == 0 and kept.returncode == 0  # Slurm does not create --output's folder
     test_job = (SUBMIT / "test_job.sh").read_text()
     listed = [w for w in test_job.split() if w.startswith("tests/test_")]
     assert listed and all((ROOT / p).is_file() for p in listed), [p for p in listed if not (ROOT / p).is_file()]
@@ -207,6 +244,9 @@ def test_each_strategy_trains_through_srun(strategy_jobs, script, layout, nodes,
     assert (step / "COMPLETE").is_file() and (run_dir / "checkpoints" / "latest").read_text() == step.name
     assert read_layout(run_dir)["world_size"] == world  # the run's own facts, not its log
     assert not (base / "requeue").exists()
+    # rank 0's stdout is a terminal under srun -u: no live status line in the job log, a line per log_every
+    assert "\r" not in proc.stdout and proc.stdout.count("step 1/2") == 1, proc.stdout[-2000:]
+    assert "broadcast_buffers" not in proc.stderr  # torch's DDP deprecation warning, once per rank before
 
 
 def bash_with_helper(standin: Path, snippet: str, **env: str) -> str:
@@ -222,6 +262,7 @@ def test_one_rank_per_gpu_else_the_tasks_slurm_gives(standin):
     cases = [({"SLURM_GPUS_ON_NODE": "4", "SLURM_NTASKS_PER_NODE": "1"}, "4"),  # the GPUs win
              ({"SLURM_GPUS_PER_NODE": "a100:2"}, "2"),
              ({"SLURM_NTASKS_PER_NODE": "3"}, "3"),  # CPU-only
+             ({"SLURM_GPUS_PER_NODE": "0", "SLURM_NTASKS_PER_NODE": "2"}, "2"),  # --gpus-per-node=0
              ({"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2"}, "4"),
              ({}, "1")]
     for env, expected in cases:
@@ -268,7 +309,29 @@ def test_ranks_stopped_with_a_checkpoint_requeue_the_job(standin, tmp_path, era5
     assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert (standin / "requeue").read_text() == f"{job_id}\n"
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
-    assert (latest / "COMPLETE").is_file() and f"requeueing job {job_id}" in proc.stdout
+    assert (latest / "COMPLETE").is_file() and f"job {job_id} requeued" in proc.stdout
+
+
+def test_a_refused_requeue_is_said_as_it_is(standin):
+    """A job submitted with --no-requeue (or JobRequeue=0): Slurm refuses, and the script says so and how to
+    continue, instead of announcing a requeue (before: 'requeueing job N' next to Slurm's refusal)."""
+    job = {"SLURM_JOB_ID": "46"}
+    assert "job 46 requeued" in bash_with_helper(standin, "requeue_job 2>&1", **job)
+    refused = bash_with_helper(standin, "requeue_job 2>&1", STANDIN_NO_REQUEUE="1", **job)
+    assert refused == ("ranks stopped with a checkpoint (exit 75): job 46 not requeued (scontrol requeue: "
+                       "Requested operation is presently disabled for job 46): submit the same command again to continue")
+    assert (standin / "requeue").read_text() == "46\n"  # the first, accepted one only
+
+
+@pytest.mark.parametrize("gpus,hint", [("0", "--ntasks-per-node=2 --gpus-per-node=0 --cpus-per-task=1 ..."),
+                                       ("4", "--ntasks-per-node=2 --gpus-per-node=2 ...")], ids=["cpu", "gpu"])
+def test_the_fix_for_a_layout_that_does_not_fit_asks_for_what_the_job_uses(standin, tmp_path, gpus, hint):
+    """On a CPU-only allocation (--gpus-per-node=0 makes Slurm export SLURM_GPUS_PER_NODE=0) the hint asks for
+    tasks and CPUs; asking a CPU-only cluster for GPUs is refused by sbatch (before: --gpus-per-node=2)."""
+    proc, calls = sbatch(standin, "tensor_parallel.sh", "parallel=tp2", "parallel.dp=1", f"run.dir={tmp_path / 'r'}",
+                         per_node=4, env={"SLURM_GPUS_PER_NODE": gpus, "SLURM_GPUS_ON_NODE": gpus})
+    assert proc.returncode == 2 and not calls
+    assert proc.stderr.endswith(f"needs 2 (parallel.dp): sbatch -N 1 {hint} or set parallel.dp=2\n"), proc.stderr
 
 
 def test_test_job_runs_pytest_in_one_task(standin):

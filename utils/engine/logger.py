@@ -6,6 +6,7 @@ Only rank 0 writes; other ranks get a logger that drops everything except warnin
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -33,12 +34,20 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> logging.Logger:
     return log
 
 
+def is_person_terminal(stream=sys.stdout, environ=os.environ) -> bool:
+    """Whether `stream` is a terminal a person watches: not under Slurm or submitit, whose `srun -u`
+    (`--unbuffered`) gives every task a pseudo-terminal that ends up in the job log."""
+    under_scheduler = any(var in environ for var in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SUBMITIT_EXECUTOR"))
+    return stream.isatty() and not under_scheduler
+
+
 class Progress:
-    """A live status line (step, loss, samples/s, ETA) on a terminal; plain log lines otherwise."""
+    """A live status line (step, loss, samples/s, ETA) on a person's terminal; plain log lines otherwise
+    (every `trainer.log_every` steps: a pipe, a file, a Slurm job log)."""
 
     def __init__(self, log: logging.Logger, max_steps: int, log_every: int, is_main: bool):
         self.log, self.max_steps, self.log_every = log, max_steps, log_every
-        self.live = is_main and sys.stdout.isatty()
+        self.live = is_main and is_person_terminal()
         self.enabled = is_main
         self.start = time.perf_counter()
         self.start_step: int | None = None
