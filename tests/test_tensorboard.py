@@ -82,7 +82,7 @@ def test_config_as_text_and_hparams(vit_run):
     settings = start.session_start_info.hparams
     assert settings["optim.lr"].number_value == pytest.approx(2e-3)
     assert settings["trainer.max_steps"].number_value == STEPS
-    assert settings["parallel.sequence_parallel"].string_value == "true"
+    assert settings["parallel.sp_keep_gathered"].string_value == "false"  # a bool as text (sequence_parallel: unset)
     assert settings["data.img_size"].string_value == "[32, 64]"
     [experiment] = summaries["_hparams_/experiment"]
     metrics = [m.name.tag for m in experiment.experiment.metric_infos]

@@ -56,7 +56,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel degree: consecutive blocks on pp ranks
     dp: int = 0  # data-parallel degree; 0 = derive from the world size
     order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
-    sequence_parallel: bool = True  # Megatron sequence parallelism for norms/dropout under tp
+    sequence_parallel: bool | None = None  # Megatron sequence parallelism under tp; None: on with GPUs, off on CPU/gloo
     sp_keep_gathered: bool = False  # SP: column-parallel layers save the gathered input (t x memory, 1 all-gather less)
     cp_attention: str = "ring"  # ring | allgather | alltoall | hierarchical: how attention reaches other cp ranks' K/V
     cp_a2a: int = 2  # hierarchical: cp ranks per all-to-all group (the nearest ranks of the cp axis); a ring joins the groups

@@ -24,11 +24,17 @@ parallel model equal the serial ones. Per block and training step the blocks mov
 on tp (A = batch x tokens x hidden x bytes per element of the matmuls: 4 in fp32, 2 under bf16/fp16
 autocast, since column-parallel inputs are cast before they are communicated) without sequence
 parallelism, and 10(t-1)/t x A with it (the two column-parallel layers all-gather their input again in
-backward; 8(t-1)/t x A with `keep_gathered`).
+backward; 8(t-1)/t x A with `keep_gathered`). On gloo each of a block's 4 reduce-scatters runs as an
+all-reduce that keeps this rank's chunk (cheaper there, `distributed.collectives.reduce_scatter_via`):
+14(t-1)/t x A with sequence parallelism, 12(t-1)/t x A with `keep_gathered`.
+
+`sequence_parallel_on` resolves the setting: unset, it is on with GPUs and off on CPU/gloo, where its
+extra collectives cost more than they save (docs/measurements.md); `sequence_parallel_notice` is the log's line.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from distributed.rng import per_shard
@@ -39,6 +45,26 @@ from networks.blocks import SequenceRegion
 from networks.parallel_plan import ParallelModel, ParallelPlan, Part, check_followed
 from utils import ConfigError
 from utils.comm import Axis, AxisGroup, Grid
+
+
+def sequence_parallel_on(setting: bool | None, device: torch.device) -> bool:
+    """`parallel.sequence_parallel` as set, or when unset (None) by device: on with GPUs (Megatron's schedule,
+    activations 1/t per rank), off on the CPU, where gloo's collectives cost more than their bytes and
+    sequence parallelism's 2.5x as many of them make a tp step slower than without it."""
+    return device.type != "cpu" if setting is None else setting
+
+
+def sequence_parallel_notice(setting: bool | None, device: torch.device) -> str | None:
+    """The log's one line about sequence parallelism under tp on the CPU (None elsewhere)."""
+    if device.type != "cpu":
+        return None
+    if setting is None:
+        return ("parallel.sequence_parallel unset: off on CPU/gloo, where its extra collectives cost more than the "
+                "activation memory it saves (docs/measurements.md); parallel.sequence_parallel=true turns it on")
+    if setting:
+        return ("on CPU/gloo, sequence parallelism's extra collectives make a tp step slower than "
+                "parallel.sequence_parallel=false (docs/measurements.md); unset it where activation memory allows")
+    return None
 
 
 def parallelize(model: ParallelModel, *, grid: Grid, sequence_parallel: bool, keep_gathered: bool = False) -> nn.Module:

@@ -25,7 +25,7 @@ from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stage_plan import PipelinePlan, resolve_plan
 from distributed.pipeline.stages import build_stages, cut_for_rank
 from distributed.rng import seed_default_stream
-from distributed.tensor.parallelize import parallelize
+from distributed.tensor.parallelize import parallelize, sequence_parallel_notice, sequence_parallel_on
 from utils import require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
@@ -67,7 +67,8 @@ def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltM
     plan = pipeline_plan(cfg) if grid.size(Axis.PP) > 1 else None
     if plan is not None:
         model = cut_for_rank(model, plan, grid.rank(Axis.PP))
-    model = parallelize(model, grid=grid, sequence_parallel=cfg.parallel.sequence_parallel,
+    sequence_parallel = sequence_parallel_on(cfg.parallel.sequence_parallel, grid.device)
+    model = parallelize(model, grid=grid, sequence_parallel=sequence_parallel,
                         keep_gathered=cfg.parallel.sp_keep_gathered)
     model = parallelize_context(model, grid=grid, variant=cfg.parallel.cp_attention)
     if values:
@@ -266,10 +267,8 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
         log.warning(notice)
     for note in notes:
         log.info(note)
-    if grid.device.type == "cpu" and grid.size(Axis.TP) > 1 and cfg.parallel.sequence_parallel:
-        log.info("on CPU/gloo, where each collective costs more than the bytes it moves, sequence parallelism's "
-                 "extra collectives make a tp step slower than parallel.sequence_parallel=false (measured in "
-                 "docs/measurements.md); set it false where activation memory allows")
+    if grid.size(Axis.TP) > 1 and (note := sequence_parallel_notice(cfg.parallel.sequence_parallel, grid.device)):
+        log.info(note)
     if cfg.precision.compile and grid.size(Axis.CP) > 1 and cfg.parallel.cp_attention in ("ring", "hierarchical"):
         log.info(f"precision.compile with parallel.cp_attention={cfg.parallel.cp_attention}: each block compiles "
                  "around its ring attention, "
