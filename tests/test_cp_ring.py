@@ -2,7 +2,9 @@
 
 Every distributed case is compared in float64 with serial `scaled_dot_product_attention` over the
 full sequence in global order: the output and dQ, dK, dV of each rank's own tokens, and the bytes
-counted on the cp axis after forward and after backward against the docstring's formula.
+counted on the cp axis after forward and after backward against the docstring's formula. The GPU block
+kernels (distributed/context/blocks.py): their selection on CPU cases, and every line of their path but the
+kernel call, run with CPU stand-ins returning the math path's results in each kernel's layout.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed.collectives import split_sizes
-from distributed.context import ring
+from distributed.context import blocks
 from distributed.context.ring import _block_mask, _hop_parts, block_attention, merge, position_bounds, ring_attention
 from tests.helpers import run_ranks
 from utils.comm import AxisGroup
@@ -67,7 +69,7 @@ def _check_case(axis: AxisGroup, n: int, causal: bool, balanced: bool, dtype: to
     pairs = []
     counted = lambda q_, k_, *rest: pairs.append(q_.shape[-2] * k_.shape[-2]) or block_attention(q_, k_, *rest)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ring, "block_attention", counted)
+        patch.setattr(blocks, "block_attention", counted)
         out = ring_attention(*local, axis, sizes, positions if causal else None, chunk=chunk)
     if chunk is not None:  # no wasted pair: 1/cp of causal attention plus the diagonal chunks' upper halves
         assert sum(pairs) == (2 * axis.size + 1) * chunk ** 2
@@ -127,7 +129,7 @@ def test_the_balanced_causal_ring_computes_a_cp_th_of_the_work(cp):
 
     def pairs(rank: int, chunk) -> int:
         parts = [p for source in range(cp) for p in _hop_parts(rank, source, chunk, positions, bounds, 1, "cpu")]
-        return sum((2 * c if rows is None else c) * (2 * c if keys is None else c) for rows, keys, _ in parts)
+        return sum((2 * c if rows is None else c) * (2 * c if keys is None else c) for rows, keys, _, _ in parts)
 
     needed = [int(sum((p + 1).sum() for p in [positions[r]])) for r in range(cp)]
     assert needed == [2 * cp * c * c + c] * cp
@@ -200,3 +202,67 @@ def test_ring_under_autocast_is_as_accurate_as_sdpa(causal, peak):
     sdpa = _errors_under_autocast(
         lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal), q, k, v, grad, ref)
     assert all(r <= 1.25 * s for r, s in zip(ring, sdpa)), (ring, sdpa)
+
+
+def test_kernel_selection_by_device_dtype_and_head_dim():
+    select = blocks.select_kernel
+    bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+    assert [select("cpu", dtype, 64, False) for dtype in (bf16, f32, f64)] == ["math"] * 3
+    assert [select("cuda", dtype, 64, False) for dtype in (bf16, f16, f32, f64)] == ["flash", "flash", "efficient",
+                                                                                      "math"]
+    assert [select("cuda", bf16, d, False) for d in (8, 256, 264, 12)] == ["flash", "flash", "efficient", "math"]
+    assert select(torch.device("cuda", 1), f16, 128, True) == "math"  # an arbitrary position mask
+
+
+def _stand_in(kind: str, calls: list[str]):
+    """(forward, backward) with a kernel's signature and layout, computed by the math path: one head per
+    key/value head, the lse's query rows padded to LSE_ROWS_ALIGN with NaN (a wrong slice poisons the result)."""
+    def causal_mask(q, k, causal):
+        assert q.shape[1] == k.shape[1] and q.is_contiguous() and k.is_contiguous(), "one query head per K/V head"
+        return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril() if causal else None
+
+    def forward(q, k, v, causal, scale):
+        calls.append(kind)
+        out, lse = blocks.block_attention(q, k, v, causal_mask(q, k, causal), scale)
+        return out.to(q.dtype), F.pad(lse, (0, -lse.shape[-1] % blocks.LSE_ROWS_ALIGN[kind]), value=float("nan"))
+
+    def backward(dout, q, k, v, out, lse, causal, scale):
+        assert lse.shape[-1] % blocks.LSE_ROWS_ALIGN[kind] == 0 and lse.shape[-1] - q.shape[-2] < 32
+        delta = (dout * out).sum(dim=-1, keepdim=True)  # as the kernels compute it from the output they are given
+        lse = lse[..., :q.shape[-2]]
+        return blocks.block_backward(q, k, v, dout, delta, lse, causal_mask(q, k, causal), scale)
+
+    return forward, backward
+
+
+def _kernel_ranks(rank: int, world_size: int) -> None:
+    axis = AxisGroup("cp", world_size, rank, dist.group.WORLD, list(range(world_size)))
+    real = dict(blocks._KERNELS)
+    for kind in ("flash", "efficient"):
+        calls: list[str] = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(blocks, "select_kernel", lambda device, dtype, d, masked: "math" if masked else kind)
+            patch.setitem(blocks._KERNELS, kind, _stand_in(kind, calls))
+            for n, causal, kv_heads in ((8 * world_size, True, H), (8 * world_size, True, 1), (6 * world_size + 3, False, 1)):
+                q, k, v, grad = _qkv(n, seed=n + kv_heads)
+                k, v = k[:, :kv_heads], v[:, :kv_heads]  # grouped K/V: the kernels see the folded heads unfolded
+                ref = _reference(q, k.repeat_interleave(H // kv_heads, 1), v.repeat_interleave(H // kv_heads, 1),
+                                 grad, causal)
+                ref[2:] = [t.unflatten(1, (kv_heads, -1)).sum(2) for t in ref[2:]]
+                positions = _positions(n, world_size, balanced=causal)
+                mine = positions[rank]
+                local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+                out = ring_attention(*local, axis, [len(p) for p in positions], positions if causal else None,
+                                     chunk=n // (2 * world_size) if causal else None)
+                out.backward(grad[:, :, mine])
+                for name, got, want in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in local], ref):
+                    torch.testing.assert_close(got, want[:, :, mine], rtol=TOL, atol=TOL, msg=f"{kind} {name}")
+        assert calls.count(kind) >= 3 * world_size, calls  # every hop of every case ran the stand-in kernel
+    assert blocks._KERNELS == real
+
+
+def test_kernel_path_with_cpu_stand_ins(tmp_path):
+    """The ring through `blocks.attend`'s kernel path (unfolded grouped heads, the lse adapted from and to each
+    kernel's padded layout, dK/dV summed over a group) equals serial SDPA within 1e-10 at cp=2, causal by
+    chunk pair and non-causal uneven, with 2 and 1 key/value heads."""
+    run_ranks(_kernel_ranks, 2, tmp_path)

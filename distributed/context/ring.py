@@ -37,7 +37,10 @@ plus the diagonal chunks' share, the same on every rank; the bytes do not change
 
 Precision: fp16/bf16 inputs are upcast per block and every sum (output, LSE, dQ, dK, dV) is float32,
 under torch.autocast too (the forward turns it off: the blocks compute as written, as the backward does);
-float32/float64 inputs compute natively. The output and gradients come back in the input dtype.
+float32/float64 inputs compute natively. The output and gradients come back in the input dtype. Each
+block runs `distributed/context/blocks.py`'s `attend` (its math path above on CPU; on CUDA the flash or
+memory-efficient SDPA kernel, which keep the block in the input dtype with float32 accumulation, where the
+dtype, head dim and mask allow).
 
 Bytes rank r sends over the cp axis (counted by `ring_shift`), with KV(j) = bytes(K_j) + bytes(V_j) in
 the input dtype and G(j) the same two blocks in the accumulation dtype (= KV(j) for float32/float64,
@@ -63,39 +66,10 @@ import functools
 import torch
 
 from distributed.collectives import ring_shift
+from distributed.context.blocks import attend, attend_backward, block_attention, compute_dtype  # noqa: F401
 from utils.comm import AxisGroup
 
 KV_TAG, GRAD_TAG = 0, 2  # ring_shift tags: K/V and dK/dV are in flight at once (two tensors each)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the sums: float32 for half precisions, the input's own otherwise."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Scaled scores S * scale (B, h, nq, nk), -inf where `mask` is False."""
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
-
-
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of q (B, h, nq, d) to one key block k, v (B, h, nk, d): (out, lse).
-
-    `mask`: bool (nq, nk), True = may attend, or None (all visible). Returns out (B, h, nq, d) and the
-    log-sum-exp of the scaled scores lse (B, h, nq), both in `compute_dtype` of the input. A fully
-    masked row gives lse = -inf and out = 0 (no NaN).
-    """
-    dtype = compute_dtype(q.dtype)
-    s = _scores(q.to(dtype), k.to(dtype), mask, scale)
-    row_max = s.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(s - row_max)
-    total = p.sum(dim=-1, keepdim=True)
-    out = torch.matmul(p, v.to(dtype)) / torch.where(total > 0, total, torch.ones_like(total))
-    lse = (row_max + torch.log(total)).squeeze(-1)  # log(0) = -inf for fully masked rows
-    return out, lse
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -122,52 +96,36 @@ def _block_mask(positions: list[torch.Tensor] | None, bounds: list[tuple[int, in
     return True, (positions[q_rank][:, None] >= positions[k_rank][None, :]).repeat(group, 1)
 
 
-def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                    delta: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) contributions of one key block, from probabilities recomputed with the saved lse.
-
-    q, dout, delta = rowsum(dO * O) (B, h, nq, 1) and lse are already in the compute dtype.
-    """
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1)
-    p = torch.exp(_scores(q, k, mask, scale) - finite)
-    dv = torch.matmul(p.transpose(-2, -1), dout)
-    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta)
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
-
-
 def _shapes(k: torch.Tensor, v: torch.Tensor, n: int) -> list[tuple[int, ...]]:
     """Shapes of a K and a V block of n tokens."""
     return [(*k.shape[:-2], n, k.shape[-1]), (*v.shape[:-2], n, v.shape[-1])]
 
 
-Part = tuple  # (query chunk: None for every row, 0 or 1; key chunk: None for every key, or 0; mask or None)
+Part = tuple  # (query chunk: None for every row, 0 or 1; key chunk: None, 0 or 1; mask or None; mask is the square causal one)
 
 
 def _hop_parts(rank: int, source: int, chunk: int | None, positions, bounds, group: int, device) -> list[Part]:
-    """What this rank computes against the K/V block of rank `source`: the pairs of (query rows, keys) and
-    their masks. The generic layout: the whole block with its position mask, or nothing when no pair is
-    visible. The balanced causal layout with equal chunks (`chunk` tokens; rank r holds chunks r and
-    2cp-1-r), split by chunk pair as Megatron and TransformerEngine do: the own block causally (its first
-    query chunk against its first key chunk, its second against both); a lower source rank: every local
-    query against the source's first chunk; a higher one: the second local query chunk against all of it;
-    the last two without a mask. Every rank computes the same number of pairs."""
+    """What this rank computes against the K/V block of rank `source`: the pairs of (query rows, keys), their
+    masks and whether a mask is the square causal one (a kernel's `is_causal`). The generic layout: the whole
+    block with its position mask, or nothing when no pair is visible. The balanced causal layout with equal
+    chunks (`chunk` tokens; rank r holds chunks r and 2cp-1-r), split by chunk pair as Megatron and
+    TransformerEngine do: the own block causally (its first query chunk against its first key chunk, its
+    second against the first fully and the second causally); a lower source rank: every local query against
+    the source's first chunk; a higher one: the second local query chunk against all of it; the last two
+    without a mask. Every rank computes the same number of pairs."""
     if chunk is None:
         visible, mask = _block_mask(positions, bounds, rank, source, group)
-        return [(None, None, mask)] if visible else []
+        return [(None, None, mask, False)] if visible else []
     if source == rank:
-        first, second = _diagonal_masks(chunk, group, str(device))
-        return [(0, 0, first), (1, None, second)]
-    return [(None, 0, None)] if source < rank else [(1, None, None)]
+        tril = _causal_mask(chunk, group, str(device))
+        return [(0, 0, tril, True), (1, 0, None, False), (1, 1, tril, True)]
+    return [(None, 0, None, False)] if source < rank else [(1, None, None, False)]
 
 
 @functools.lru_cache(maxsize=16)
-def _diagonal_masks(chunk: int, group: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The own block's masks (made once per shape): the first query chunk against the first key chunk
-    (causal), the second against both (the first fully, the second causally); rows repeated per folded head."""
-    tril = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
-    return tril.repeat(group, 1), torch.cat([torch.ones_like(tril), tril], dim=1).repeat(group, 1)
+def _causal_mask(chunk: int, group: int, device: str) -> torch.Tensor:
+    """The own block's diagonal chunks' causal mask (made once per shape), rows repeated per folded head."""
+    return torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril().repeat(group, 1)
 
 
 def _rows(x: torch.Tensor, group: int, part: int) -> torch.Tensor:
@@ -205,9 +163,10 @@ class _RingAttention(torch.autograd.Function):
             for step in range(cp):
                 if step < cp - 1:  # start the next block's transfer, then compute on this one
                     arriving = ring_shift(kv, axis, _shapes(k, v, sizes[(rank - step - 1) % cp]), KV_TAG)
-                for rows, keys, mask in _hop_parts(rank, (rank - step) % cp, chunk, positions, bounds, group, q.device):
-                    part = block_attention(_take(q, group, rows), _keys(kv[0], keys, chunk), _keys(kv[1], keys, chunk),
-                                           mask, scale)
+                for rows, keys, mask, causal in _hop_parts(rank, (rank - step) % cp, chunk, positions, bounds, group,
+                                                           q.device):
+                    part = attend(_take(q, group, rows), _keys(kv[0], keys, chunk), _keys(kv[1], keys, chunk),
+                                  mask, causal, scale, group)
                     if rows is None:
                         out, lse = merge(out, lse, *part)
                     else:  # merge into the chunk's rows in place
@@ -228,19 +187,18 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, rank, group, chunk = ctx.axis.size, ctx.axis.rank, ctx.group, ctx.chunk
         dtype = lse.dtype
-        q_c, dout = q.to(dtype), dout.to(dtype)
-        delta = (dout * out.to(dtype)).sum(dim=-1, keepdim=True)
-        dq = torch.zeros_like(q_c)
+        delta = (dout.to(dtype) * out.to(dtype)).sum(dim=-1, keepdim=True)
+        dq = torch.zeros_like(q, dtype=dtype)
         kv, grads_arriving = [k, v], None
         for step in range(cp):
             source, upstream = (rank - step) % cp, (rank - step - 1) % cp
             if step < cp - 1:
                 kv_arriving = ring_shift(kv, ctx.axis, _shapes(k, v, ctx.sizes[upstream]), KV_TAG)
             dk, dv = (t.new_zeros(t.shape, dtype=dtype) for t in kv)
-            for rows, keys, mask in _hop_parts(rank, source, chunk, ctx.positions, ctx.bounds, group, q.device):
-                dq_part, dk_part, dv_part = _block_backward(
-                    _take(q_c, group, rows), _keys(kv[0], keys, chunk), _keys(kv[1], keys, chunk),
-                    _take(dout, group, rows), _take(delta, group, rows), _take(lse, group, rows), mask, ctx.scale)
+            for rows, keys, mask, causal in _hop_parts(rank, source, chunk, ctx.positions, ctx.bounds, group, q.device):
+                dq_part, dk_part, dv_part = attend_backward(
+                    _take(q, group, rows), _keys(kv[0], keys, chunk), _keys(kv[1], keys, chunk),
+                    *(_take(t, group, rows) for t in (dout, out, delta, lse)), mask, causal, ctx.scale, group)
                 if rows is None:
                     dq += dq_part
                 else:
