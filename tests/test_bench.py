@@ -78,3 +78,22 @@ def test_shapes_the_tutorial_lacks_are_refused_in_one_line(args, message, seed_d
     proc = bench(*[str(seed_dir) if a == "SEED" else a for a in args])
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0] and "--seed-dir" in lines[0], proc.stderr
+
+
+def test_tp_comparison_table_gives_both_ratios_with_their_spread():
+    """`--seed-dir` at tp > 1 (utils/bench/versus_seed.py): each arm's median over the interleaved rounds, the
+    lowest and highest round, and the median over the seed's, for sequence parallelism on and off."""
+    from utils.bench.versus_seed import arm_command, table
+
+    text = table({"seed": [0.30, 0.20, 0.25], "sp_on": [0.40, 0.26, 0.30], "sp_off": [0.22, 0.23, 0.18]}, 2,
+                 "cpu, gloo", 3, 20)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]] for line in text.splitlines()[3:]}
+    assert rows == {"NERSC tutorial ViT (its model-parallel ViT in DDP)": ["250.0", "200.0-300.0", "1.00"],
+                    "this project, sequence parallelism on (the default with GPUs)": ["300.0", "260.0-400.0", "1.20"],
+                    "this project, sequence parallelism off (the default on CPU)": ["220.0", "180.0-230.0", "0.88"]}
+    assert "3 interleaved round(s) x 20 timed steps" in text.splitlines()[0]
+    ours = arm_command("sp_off", ["model=vit_tiny", "parallel=tp2"], Path("SEED"), {}, 2, 5, 20)
+    assert ours[-8:] == ["model=vit_tiny", "parallel=tp2", "parallel.sequence_parallel=false", "--warmup", "5",
+                         "--steps", "20", "--json"] and "--nproc_per_node=2" in ours
+    seed = arm_command("seed", [], Path("SEED"), {"batch": 8}, 2, 5, 20)
+    assert seed[-3].endswith("seed_step.py") and json.loads(seed[-1]) == {"batch": 8, "tp": 2}

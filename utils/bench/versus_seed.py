@@ -5,8 +5,9 @@ at the same shape, precision, batch and Adam kernel, each launched by torchrun o
 tp ranks (torchrun gives each rank one thread unless OMP_NUM_THREADS says otherwise):
 
 - the tutorial's model-parallel ViT as its train_mp.py runs it (utils/bench/seed_step.py, tp ranks, DDP);
-- this project's train step with sequence parallelism on (`parallel.sequence_parallel=true`);
-- the same with sequence parallelism off.
+- this project's train step with sequence parallelism on (`parallel.sequence_parallel=true`, the default with
+  GPUs);
+- the same with sequence parallelism off (`false`, the default on CPU: distributed/tensor/parallelize.py).
 
 The arms are interleaved: `--rounds` rounds, each running every arm once, so that a machine whose speed drifts
 (shared cores) slows every arm alike. Each arm's figure is the median over rounds of its seconds per step
@@ -26,8 +27,8 @@ from pathlib import Path
 from utils import require
 
 ARMS = (("seed", "NERSC tutorial ViT (its model-parallel ViT in DDP)"),
-        ("sp_on", "this project, parallel.sequence_parallel=true"),
-        ("sp_off", "this project, parallel.sequence_parallel=false"))
+        ("sp_on", "this project, sequence parallelism on (the default with GPUs)"),
+        ("sp_off", "this project, sequence parallelism off (the default on CPU)"))
 
 
 def torchrun(nproc: int) -> list[str]:
