@@ -27,35 +27,47 @@ import time
 from types import SimpleNamespace
 
 
+def init_model_parallel(tp: int, device):
+    """The tutorial's rank groups (tp nearest, dp = world / tp) on a process group of torchrun's ranks; the
+    device this rank uses."""
+    import torch
+    import torch.distributed as dist
+    from utils import comm  # the tutorial's
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
+    comm.init_model_parallel_info(tp=tp, dp=dist.get_world_size() // tp, cp=1, pp=1, order="tp-dp")
+    return device
+
+
+def wrap_model_parallel(model, device):
+    """As the tutorial's train_mp.py: shared weights synced from rank 0 of each group, then its DDP wrapper."""
+    from distributed.helpers import init_params_for_shared_weights
+    from distributed.mappings import init_ddp_model_and_reduction_hooks
+
+    init_params_for_shared_weights(model)
+    ids = None if device.type == "cpu" else [device.index]
+    return init_ddp_model_and_reduction_hooks(model, device_ids=ids, output_device=ids)
+
+
 def main(seed_dir: str, spec: dict) -> dict:
     sys.path[0] = seed_dir  # the tutorial's packages, not this folder's modules
     import torch
     from networks.vit import ViT
     from utils.loss import l2_loss
 
-    device = torch.device(spec["device"])
-    tp = spec.get("tp", 1)
+    device, tp = torch.device(spec["device"]), spec.get("tp", 1)
     if tp > 1:
-        import torch.distributed as dist
-        from utils import comm
-
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
-        comm.init_model_parallel_info(tp=tp, dp=dist.get_world_size() // tp, cp=1, pp=1, order="tp-dp")
+        device = init_model_parallel(tp, device)
     torch.manual_seed(0)
     params = SimpleNamespace(img_size=spec["img_size"], n_in_channels=spec["in_channels"],
                              n_out_channels=spec["out_channels"], patch_size=spec["patch_size"],
                              embed_dim=spec["embed_dim"], depth=spec["depth"], num_heads=spec["num_heads"], dropout=0.0)
     model = ViT(params).to(device)
     if tp > 1:
-        from distributed.helpers import init_params_for_shared_weights
-        from distributed.mappings import init_ddp_model_and_reduction_hooks
-
-        init_params_for_shared_weights(model)
-        ids = None if device.type == "cpu" else [device.index]
-        model = init_ddp_model_and_reduction_hooks(model, device_ids=ids, output_device=ids)
+        model = wrap_model_parallel(model, device)
     if spec["compile"]:
         model = torch.compile(model)
     kernel = {"fused": True} if spec["fused"] else {}
