@@ -26,7 +26,9 @@ from utils.plan.cost_model import GPUS, plan_layout
 from utils.tasks import build_task
 
 STEPS = 10
-COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=5"]  # one validation, at the end
+# one validation, at the end; sequence parallelism on under tp (the GPU default; the CPU default, off, is
+# test_vit_tp2_without_sequence_parallelism)
+COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=5", "parallel.sequence_parallel=true"]
 VIT = ["trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
 GPT = [*TINY_GPT, "data.limit_eval_tokens=4096", "trainer.global_batch_size=8"]  # no greedy decoding at validation but under pp2tp2 (below)
 
@@ -232,9 +234,10 @@ def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_step5
 
 
 def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
+    """The CPU default: parallel.sequence_parallel unset (null) is off on gloo."""
     reference, tmp = vit_reference
     run_dir = run_layout(tmp, "tp2_nosp", VIT, f"data.root={era5_root}", "parallel=tp2",
-                         "parallel.sequence_parallel=false")
+                         "parallel.sequence_parallel=null")
     assert_same_curve(reference, curves(run_dir))
 
 
