@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
+from utils import ConfigError
 from utils.plan.cost_model import GPUS, PCIE_GBS, Hardware, link_gbs, main, parse_args, plan_layout, table
 
 TINY = ["trainer.global_batch_size=8"]
@@ -161,3 +162,60 @@ def test_bad_bandwidths_file_is_one_line_exit_2(tmp_path, capsys, fields, what):
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1
     assert lines[0].startswith("error:") and "--bandwidths" in lines[0] and what in lines[0]
+
+
+# The fast path (utils/plan/probe.py, utils/engine/build.py values=False) against the old one: the trainer
+# built with initialised weights and stepped at its full depth. Each case differs in what it exercises:
+# tp with sequence parallelism (ties of sequence regions), cp with activation checkpointing (recomputed
+# collectives, the peak in backward), the GPT's tied head and embedding (one tensor after allocation).
+FAST_VS_FULL = [(["parallel=tp2", "parallel.dp=2", "parallel.sequence_parallel=true"], 4),
+                (["parallel=cp2", "parallel.dp=2", "trainer.activation_checkpointing=true"], 4),
+                (["model=gpt_tiny", "data=wikitext_sample", "parallel=tp2"], 2)]
+
+
+@pytest.mark.parametrize("overrides,world", FAST_VS_FULL)
+def test_probed_meta_plan_equals_the_full_initialised_one(overrides, world):
+    """Every figure, bit for bit, and the axes in the same order; the depth-4 figures come from depths 1 and 2."""
+    from dataclasses import asdict
+
+    from utils.plan.probe import LayoutConfigs, probe_depths
+
+    assert probe_depths(LayoutConfigs(TINY + overrides), 4) == (1, 2)
+    fast = asdict(plan_layout(TINY + overrides, GPUS["cpu"], world))
+    full = asdict(plan_layout(TINY + overrides, GPUS["cpu"], world, values=True, probe=False))
+    assert fast == full and list(fast["comm_bytes"]) == list(full["comm_bytes"])
+    assert fast["activation_bytes"] > 0 and all(n > 0 for k, n in fast["comm_bytes"].items() if "_" not in k)
+
+
+def test_blocks_off_the_line_are_measured_at_full_depth(monkeypatch):
+    import utils.plan.probe as probe
+
+    counts = {1: 10, 2: 15, 4: 25, 5: 31}  # 4 on the line through depths 1 and 2, 5 off it
+    monkeypatch.setattr(probe, "serial_params", lambda configs, depth: counts[depth])
+    assert probe.probe_depths(None, 4) == (1, 2) and probe.probe_depths(None, 5) == (5,)
+    assert probe.probe_depths(None, 2) == (2,)  # no deeper than the probes: measured as is
+    assert list(probe.extend({"tp": 3, "dp": 1}, {"dp": 2, "tp": 5}, 1, 4).items()) == [("dp", 4), ("tp", 9)]
+
+
+def test_one_composition_gives_each_layout_the_config_load_config_gives():
+    from utils.cli.config import load_config
+    from utils.plan.probe import LayoutConfigs
+
+    configs = LayoutConfigs(TINY + ["parallel=tp2"])
+    settings = {"parallel.tp": 4, "parallel.dp": 2, "model.depth": 1}
+    assert configs.load(settings) == load_config(TINY + ["parallel=tp2", "parallel.tp=4", "parallel.dp=2",
+                                                         "model.depth=1"])[0]
+    with pytest.raises(ConfigError) as ours:
+        configs.load({"parallel.tp": 3})
+    with pytest.raises(ConfigError) as theirs:
+        load_config(TINY + ["parallel=tp2", "parallel.tp=3"])
+    assert ours.value.line() == theirs.value.line()
+
+
+def test_unset_sequence_parallelism_is_resolved_for_the_planned_device():
+    """gpu=h100 plans what a GPU run does (sequence parallelism on), gpu=cpu what a CPU run does (off)."""
+    tp_bytes = {sp: plan_layout(TINY + ["parallel=tp2", f"parallel.sequence_parallel={sp}"], GPUS["cpu"], 2).comm_bytes
+                for sp in ("true", "false")}
+    assert tp_bytes["true"] != tp_bytes["false"]
+    assert plan_layout(TINY + ["parallel=tp2"], GPUS["h100"], 2).comm_bytes == tp_bytes["true"]
+    assert plan_layout(TINY + ["parallel=tp2"], GPUS["cpu"], 2).comm_bytes == tp_bytes["false"]

@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass, field
 
 from utils import ConfigError, exit_bad_input, require
 from utils.plan.bandwidths import read_bandwidths
+from utils.plan.probe import LayoutConfigs, extend, probe_depths
+from utils.plan.step import Measured, measure_layout
 
 GB = 1e9
 
@@ -62,10 +64,11 @@ class Hardware:
     gpus_per_node: int
     memory_gb: float  # memory per device, GB (1e9 bytes)
     efficiency: float = 0.5  # fraction of the peak a step achieves
+    device: str = "cuda"  # device type the layout runs on (settings resolved by device: sequence parallelism)
 
 
 GPUS = {"h100": Hardware("H100", 450.0, 50.0, 8, 80.0), "a100": Hardware("A100", 300.0, 50.0, 8, 80.0),
-        "cpu": Hardware(0.2, 5.0, 5.0, 1000, 1000.0)}
+        "cpu": Hardware(0.2, 5.0, 5.0, 1000, 1000.0, device="cpu")}
 PCIE_GBS = 25.0
 OPTIONS = {"--efficiency": "efficiency", "--peak-tflops": "peak", "--intra-gbs": "intra_gbs",
            "--inter-gbs": "inter_gbs", "--gpus-per-node": "gpus_per_node", "--memory-gb": "memory_gb"}
@@ -162,140 +165,71 @@ def check_plannable(cfg) -> None:
             "parallel.dp_mode", "plan with parallel.dp_mode=ddp")
 
 
-def world_of(overrides: list[str]) -> int:
-    """Ranks the overrides' layout needs (as train_mp.py counts them), validated like a launch."""
+def world_of(cfg) -> int:
+    """Ranks cfg's layout needs (as train_mp.py counts them), validated like a launch."""
     from utils.comm import check_grid
-    from utils.cli.config import load_config
     from utils.cli.launch import LaunchEnv, ranks_needed
 
-    par = load_config(overrides)[0].parallel
-    world = ranks_needed(par)
-    check_grid(par, LaunchEnv(world_size=world))
+    world = ranks_needed(cfg.parallel)
+    check_grid(cfg.parallel, LaunchEnv(world_size=world))
     return world
 
 
-def fake_world(world: int):
-    """A context: one process as rank 0 of `world` on torch's fake process group (utils.comm.init_grid
-    reads the launch variables), the variables restored and the group destroyed on exit."""
-    import contextlib
-    import os
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from utils.comm import destroy_grid
-
-    @contextlib.contextmanager
-    def scope():
-        saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
-        try:
-            if world > 1:
-                dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-            yield
-        finally:
-            destroy_grid()
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-
-    return scope()
+def plan_layout(overrides: list[str], hw: Hardware, world: int, *, values: bool = False,
+                probe: bool = True) -> LayoutPlan:
+    """Plan the layout the overrides give, on `world` ranks (utils/plan/step.py: one shapes-only step of the
+    real trainer; probe=False: at the configured depth, not extended from PROBE_DEPTHS)."""
+    configs = LayoutConfigs(overrides)
+    depths = probe_depths(configs, configs.load({}).model.depth) if probe else ()
+    return plan_settings(configs, {}, hw, world, depths, values=values)
 
 
-def shapes_only():
-    """A FakeTensorMode for the planned step: tensors made in it have shapes and dtypes but no values, and
-    ops on them compute nothing. Ops whose tensor inputs are all real (the comm byte counters, the built
-    weights' views) run for real, so the counters count. A value read from a fake tensor (the non-finite
-    check, the loss scaler's) reads as true/1: the step skips its update, which planning does not need."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-    from torch.utils._pytree import tree_leaves
-
-    class ShapesOnly(FakeTensorMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.ops.aten._local_scalar_dense.default:
-                return True if args[0].dtype == torch.bool else 1
-            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
-                with unset_fake_temporarily():
-                    return func(*args, **kwargs)
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    return ShapesOnly(allow_non_fake_inputs=True)
-
-
-def held_bytes(trainer) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes of this rank, counted as utils.engine.build.param_bytes_report
-    counts them; the Adam state is allocated as a checkpoint load does (no step taken)."""
+def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware, world: int,
+                  depths: tuple[int, ...] = (), *, values: bool = False) -> LayoutPlan:
+    """Plan configs.load(settings): measured at the configured depth, or at the two `depths` and extended
+    to it (utils/plan/probe.py)."""
     import torch
 
-    from distributed.data_parallel import local
-    from utils.checkpoints.sharded_state import init_optimizer_state
+    from distributed.tensor.parallelize import sequence_parallel_on
 
-    params = list(trainer.raw_model.parameters())
-    init_optimizer_state(trainer.optimizer)
-    param_bytes = sum(local(p).numel() * p.element_size() for p in params)
-    grad_bytes = sum(local(p).numel() * p.element_size() for p in params if p.requires_grad)
-    state = sum(local(t).numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
-                if torch.is_tensor(t) and t.dim() > 0)
-    return param_bytes, grad_bytes, state
-
-
-def measure(cfg, grid, trainer) -> tuple[dict[str, int], int]:
-    """(comm bytes per axis, saved-for-backward bytes) of one Trainer.train_step under `shapes_only`."""
-    from utils.bench.train_step import saved_for_backward_bytes
-
-    mode = shapes_only()
-    with mode:
-        x, y = trainer.task.example_batch(cfg.trainer.global_batch_size // grid.batch.size, grid.device)
-        params = list(trainer.raw_model.parameters())  # saved as they are, or as their fake counterparts
-        weights = params + [mode.from_tensor(p) for p in params]
-        grid.reset_comm_bytes()
-        activation = saved_for_backward_bytes(trainer, x, y, params=weights)
-    return grid.comm_bytes(), activation
-
-
-def plan_layout(overrides: list[str], hw: Hardware, world: int, *, values: bool = False) -> LayoutPlan:
-    """Build the real trainer of rank 0 of this layout on a fake group and take one shapes-only step.
-    The weights are built on the meta device and allocated without values (values=True: initialised
-    as a run does; the same figures, tests/test_plan.py checks it, at the cost of the full model's init)."""
-    import logging
-    import tempfile
-    import warnings
-    from pathlib import Path
-
-    from utils.engine.build import build_trainer
-    from utils.comm import Axis, init_grid
-    from utils.cli.config import load_config
-    from utils.tasks import build_task
-
-    cfg = load_config(overrides)[0]
+    overrides = configs.overrides + [f"{k}={v}" for k, v in settings.items()]
+    cfg = configs.load(settings)
     check_plannable(cfg)
-    with fake_world(world), tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DDP's and the scheduler's warnings about a step that is not one
-        grid = init_grid(cfg.parallel)
-        check_batch_for(cfg, grid)
-        trainer = build_trainer(cfg, build_task(cfg, load_data=False), grid, logging.getLogger("plan"), Path(tmp),
-                                values=values)
-        plan = LayoutPlan(grid.name, list(overrides))
-        plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes = held_bytes(trainer)
-        plan.comm_bytes, plan.activation_bytes = measure(cfg, grid, trainer)
-        links = {name: link_gbs(hw, grid.axis(*[Axis(a) for a in name.split("_")]).ranks) for name in plan.comm_bytes}
-        flops = trainer.flops_per_sample * cfg.trainer.global_batch_size / grid.world_size
-        trainer.tb.close()
+    if cfg.parallel.sequence_parallel is None:  # unset: as a run on the planned device resolves it, not this CPU
+        settings = {**settings, "parallel.sequence_parallel": sequence_parallel_on(None, torch.device(hw.device))}
+        cfg = configs.load(settings)
+    depth = cfg.model.depth
+    if len(depths) == 2:
+        low, high = (measure_layout(configs.load({**settings, "model.depth": d}), world, values=values)
+                     for d in depths)
+        full = Measured(high.layout, tuple(extend(a, b, depths[0], depth) for a, b in zip(low.held, high.held)),
+                        extend(low.comm_bytes, high.comm_bytes, depths[0], depth),
+                        extend(low.activation_bytes, high.activation_bytes, depths[0], depth),
+                        full_flops_per_sample(cfg), high.axis_ranks)
+    else:
+        full = measure_layout(cfg, world, values=values)
+    plan = LayoutPlan(full.layout, overrides)
+    plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes = full.held
+    plan.comm_bytes, plan.activation_bytes = full.comm_bytes, full.activation_bytes
+    flops = full.flops_per_sample * cfg.trainer.global_batch_size / world
     plan.compute_s = flops / (peak_tflops(hw, cfg.precision.mode) * 1e12 * hw.efficiency)
-    plan.comm_s = sum(n / (links[name] * GB) for name, n in plan.comm_bytes.items())
+    plan.comm_s = sum(n / (link_gbs(hw, full.axis_ranks[name]) * GB) for name, n in plan.comm_bytes.items())
     plan.step_time_s = plan.compute_s + plan.comm_s
     plan.fits = plan.total_bytes <= hw.memory_gb * GB
     return plan
 
 
-def check_batch_for(cfg, grid) -> None:
-    """The batch checks a launch makes (utils.data.batching.check_batch), without the data's size."""
-    from utils.data.batching import check_batch
+def full_flops_per_sample(cfg) -> float:
+    """Training FLOPs of one sample of cfg's serial model at its configured depth, built on the meta device."""
+    import torch
 
-    batch = cfg.trainer.global_batch_size
-    check_batch(batch, grid.batch.size, cfg.trainer.grad_accum_steps, batch)
+    from utils.engine.build import flops_per_sample
+    from utils.tasks import build_task
+
+    task = build_task(cfg, load_data=False)
+    with torch.device("meta"):
+        model = task.build_model()
+    return flops_per_sample(cfg, task, model)
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:
@@ -304,16 +238,17 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
     return [(tp, cp, world // (tp * cp)) for tp in divisors for cp in divisors if (world // tp) % cp == 0]
 
 
-def plan_world(req: Request) -> list[LayoutPlan]:
+def plan_world(req: Request, configs: LayoutConfigs) -> list[LayoutPlan]:
     """Plan every layout of req.world ranks; a layout the config checks refuse is kept with its error."""
+    depths = probe_depths(configs, configs.load({}).model.depth)
     plans = []
     for tp, cp, dp in layouts(req.world):
-        sizes = [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.dp={dp}", "parallel.pp=1"]
-        overrides = req.overrides + sizes
+        sizes = {"parallel.tp": tp, "parallel.cp": cp, "parallel.dp": dp, "parallel.pp": 1}
         try:
-            plans.append(plan_layout(overrides, req.hardware, req.world))
+            plans.append(plan_settings(configs, sizes, req.hardware, req.world, depths))
         except ConfigError as err:
             name = "-".join(f"{a}{n}" for a, n in (("tp", tp), ("cp", cp), ("dp", dp)) if n > 1) or "single"
+            overrides = configs.overrides + [f"{k}={v}" for k, v in sizes.items()]
             plans.append(LayoutPlan(name, overrides, fits=False, refused=err.line()))
     return sorted(plans, key=lambda p: (bool(p.refused), not p.fits, p.step_time_s))
 
@@ -344,10 +279,12 @@ def table(plans: list[LayoutPlan], req: Request) -> str:
 
 def run(argv: list[str]) -> str:
     req = parse_args(argv)
+    configs = LayoutConfigs(req.overrides)  # Hydra composes once for every layout
     if req.world:
-        plans = plan_world(req)
+        plans = plan_world(req, configs)
     else:
-        plans = [plan_layout(req.overrides, req.hardware, world_of(req.overrides))]
+        cfg = configs.load({})
+        plans = [plan_settings(configs, {}, req.hardware, world_of(cfg), probe_depths(configs, cfg.model.depth))]
     if req.as_json:
         return json.dumps({"gpu": req.gpu, "hardware": asdict(req.hardware), "links_from": req.links_from,
                            "layouts": [as_dict(p) for p in plans]}, indent=1)
