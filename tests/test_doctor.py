@@ -5,7 +5,8 @@ The healthy run goes through the command line and the doctor's own launcher (for
 first run; the planted faults run the doctor's rank command on pooled ranks (tests/rank_pool.py) with one
 defect patched into that process and undone after: a mapping whose backward drops the sum over ranks
 (mappings class, exit bit 16) and a row-parallel linear that adds its bias before the reduction (layers class,
-exit bit 32).
+exit bit 32), and DDP summing the gradients over dp instead of averaging them (layout class, exit bit 64: Adam
+hardly notices a gradient's scale, the curve's gradient norms do).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers import ROOT
 from tests.rank_pool import pool
-from utils.doctor.report import EXIT_BITS, KINDS
+from utils.doctor.bandwidth import OPS, bandwidth_checks, bus_factor, link_gbs
+from utils.doctor.report import EXIT_BITS, KINDS, Check, exit_status, failed_kinds
 
 TINY = ["model.depth=1", "model.embed_dim=32", "model.num_heads=4", "trainer.global_batch_size=4",
         "--steps", "2", "--timed-steps", "1", "--iters", "1", "--sizes-mib", "0.0625"]
@@ -39,7 +42,7 @@ def test_a_healthy_layout_passes_with_a_report_and_a_bandwidth_file(tmp_path):
     names = [c["name"] for c in checks if c["kind"] == "mappings"]
     assert len(names) == 18 and "all_gather_linear on tp (2 ranks), bfloat16" in names  # 9 mappings x 2 dtypes
     curve = next(c for c in checks if c["name"].startswith("tp2 vs single device"))
-    assert curve["status"] == "pass" and len(curve["figures"]["losses"]) == 2
+    assert curve["status"] == "pass" and len(curve["figures"]["layout"]["grad_norm"]) == 2
     markdown = (out / "report.md").read_text()
     assert len([line for line in markdown.splitlines() if line.startswith("| ")]) == len(checks) + 1  # + header
     assert "0 failed: exit status 0" in markdown
@@ -73,15 +76,21 @@ def _row_bias_on_every_rank(forward):
     return lambda self, x: forward(self, x) + (self.axis.size - 1) * self.bias
 
 
+def _ddp_sums(hook):
+    """The defect: DDP's gradient hook sums the gradients over dp instead of averaging them."""
+    return lambda state, bucket: hook((state[0], 1), bucket)
+
+
 def _doctor_rank(rank: int, world: int, argv: list[str], fault: str) -> int:
     """The doctor's rank command with `fault` planted in this pooled process (and removed after)."""
-    from distributed import mappings
+    from distributed import data_parallel, mappings
     from distributed.tensor.layers import RowParallelLinear
     from utils.doctor.run import rank_command
 
     target, name, defect = {
         "mapping": (mappings, "all_gather_region", _gather_without_sum),
-        "layer": (RowParallelLinear, "forward", _row_bias_on_every_rank(RowParallelLinear.forward))}[fault]
+        "layer": (RowParallelLinear, "forward", _row_bias_on_every_rank(RowParallelLinear.forward)),
+        "ddp_sums": (data_parallel, "_allreduce_mean_hook", _ddp_sums(data_parallel._allreduce_mean_hook))}[fault]
     original = vars(target)[name]
     setattr(target, name, defect)
     try:
@@ -92,14 +101,15 @@ def _doctor_rank(rank: int, world: int, argv: list[str], fault: str) -> int:
         setattr(target, name, original)
 
 
-@pytest.mark.parametrize("fault, world, failing", [("mapping", 2, "all_gather_region on tp (2 ranks)"),
-                                                    ("layer", 4, "RowParallelLinear (SP off) on tp (4 ranks)")])
-def test_a_planted_fault_fails_the_doctor(fault, world, failing, tmp_path):
-    others = {"mapping": "layers", "layer": "mappings"}[fault]  # each fault runs its own class only: cheaper
-    argv = [f"parallel.tp={world}", *TINY, "--skip", f"bandwidth,layout,{others}", "--out", str(tmp_path)]
+@pytest.mark.parametrize("fault, layout, world, kind, failing", [
+    ("mapping", "parallel.tp=2", 2, "mappings", "all_gather_region on tp (2 ranks)"),
+    ("layer", "parallel.tp=4", 4, "layers", "RowParallelLinear (SP off) on tp (4 ranks)"),
+    ("ddp_sums", "parallel.dp=2", 2, "layout", "dp2 vs single device")])
+def test_a_planted_fault_fails_the_doctor(fault, layout, world, kind, failing, tmp_path):
+    others = ",".join(k for k in ("mappings", "layers", "layout") if k != kind)  # one class per case: cheaper
+    argv = [layout, *TINY, "--skip", f"bandwidth,{others}", "--out", str(tmp_path)]
     results = pool().run(_doctor_rank, world, argv, fault, timeout_s=120)
     assert all(r.error is None for r in results), [r.error for r in results]
-    kind = {"mapping": "mappings", "layer": "layers"}[fault]
     assert results[0].value == EXIT_BITS[kind], (results[0].value, results[0].stdout[-3000:])
     assert [r.value for r in results[1:]] == [0] * (world - 1)
     checks = json.loads((tmp_path / "report.json").read_text())["checks"]
@@ -107,6 +117,36 @@ def test_a_planted_fault_fails_the_doctor(fault, world, failing, tmp_path):
     assert any(name.startswith(failing) for name in failed), failed
     assert {c["kind"] for c in checks if c["status"] == "fail"} == {kind}
     assert not (tmp_path / "bandwidths.json").exists()  # skipped: no file claims figures it did not measure
+
+
+def _group(busbw: float, spans: bool, ok: bool = True) -> dict:
+    """An axis as `bandwidth.measure` returns it: two sizes, every op at `busbw` GB/s at the largest."""
+    row = {op: {"algbw_gbs": busbw, "busbw_gbs": busbw, "ok": ok} for op in OPS}
+    small = {op: dict(fig, busbw_gbs=busbw / 10) for op, fig in row.items()}
+    return {"size": 2, "spans_nodes": spans, "sizes": {1024: small, 4096: row}}
+
+
+def test_bandwidth_verdicts_and_the_planner_figures():
+    """Against the planner's cpu preset (5 GB/s): pass at or above it, warn below, fail below the fraction or on
+    a wrong value; intra/inter are medians over the axes inside one node / spanning nodes, at the largest size."""
+    cpu = torch.device("cpu")
+    statuses = {name: [c.status for c in bandwidth_checks({"tp": group}, cpu, 0.25)] for name, group in
+                {"fast": _group(6.0, False), "slow": _group(2.0, False), "broken": _group(1.0, False),
+                 "wrong": _group(6.0, False, ok=False)}.items()}
+    assert statuses == {"fast": ["pass", "pass"], "slow": ["pass", "warn"], "broken": ["pass", "fail"],
+                        "wrong": ["fail", "pass"]}
+    assert exit_status(bandwidth_checks({"tp": _group(1.0, False)}, cpu, 0.25)) == EXIT_BITS["bandwidth"] == 8
+    groups = {"tp": _group(4.0, False), "cp": _group(2.0, False), "dp": _group(0.5, True)}
+    assert (link_gbs(groups, False), link_gbs(groups, True), link_gbs({}, True)) == (3.0, 0.5, None)
+    assert [bus_factor(op, 4) for op in OPS] == [1.5, 0.75, 0.75, 0.75, 1.0]  # nccl-tests' factors
+
+
+def test_the_exit_status_names_the_failing_classes():
+    checks = [Check("layers", "a", "fail"), Check("mappings", "b", "fail"), Check("layers", "c", "fail"),
+              Check("bandwidth", "d", "warn")]
+    assert exit_status(checks) == 48 and failed_kinds(48) == ["mappings", "layers"]
+    assert exit_status([Check("environment", "e", "warn")]) == 0
+    assert sorted(EXIT_BITS.values()) == [4, 8, 16, 32, 64]  # never 1 (crash), 2 (bad input) or 75 (stopped)
 
 
 def test_bad_options_are_refused_before_any_work(tmp_path):

@@ -2,9 +2,9 @@
 
 Both runs are the real trainer (utils.engine.build.build_trainer, as train.py and utils.bench build it) taking
 `Trainer.train_step`s on the same global batches: random inputs of the training shapes drawn from a fixed seed
-per step (no data files), each batch rank given its slice. The layout's losses must follow the single-device
-run's within the project's layout contract (tests/test_matrix.py): relative 1e-4 in fp32, 8 unit roundoffs of
-the autocast dtype's mantissa in bf16 (3.1e-2), tf32 and fp16 (3.9e-3). The single-device run is rank 0's
+per step (no data files), each batch rank given its slice. The layout's losses and gradient norms must follow the
+single-device run's within the project's layout contract (tests/test_matrix.py, which compares both): relative 1e-4
+in fp32, 8 unit roundoffs of the autocast dtype's mantissa in bf16 (3.1e-2), tf32 and fp16 (3.9e-3). The single-device run is rank 0's
 alone, built after the layout's trainer is freed; a model that does not fit one device is reported as such.
 Then the layout's trainer is timed as utils.bench times it: samples/s, TFLOP/s per device and MFU
 (utils.engine.flops), peak memory.
@@ -39,17 +39,20 @@ def global_batch(task, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor
         return task.example_batch(size, torch.device("cpu"))
 
 
-def curve(trainer, steps: int) -> list[float]:
-    """The global-batch mean loss of `steps` train steps on the fixed batches (this rank's slice of each)."""
+def curve(trainer, steps: int) -> dict[str, list[float]]:
+    """The global-batch mean loss and the global gradient norm of `steps` train steps on the fixed batches (this
+    rank's slice of each). Both are compared: with random targets the loss hardly depends on the model (a
+    weather MSE stays near the targets' variance), the gradient norm does."""
     batch, size = trainer.grid.batch, trainer.tc.global_batch_size
     local = size // batch.size
-    losses = []
+    values = {"loss": [], "grad_norm": []}
     for step in range(steps):
         x, y = (t[batch.rank * local:(batch.rank + 1) * local].to(trainer.grid.device)
                 for t in global_batch(trainer.task, size, step))
-        loss, _ = trainer.train_step(x, y)
-        losses.append(float(loss))
-    return losses
+        loss, grad_norm = trainer.train_step(x, y)
+        values["loss"].append(float(loss))
+        values["grad_norm"].append(float(grad_norm))
+    return values
 
 
 def build(cfg, grid: Grid, tmp: Path):
@@ -57,7 +60,7 @@ def build(cfg, grid: Grid, tmp: Path):
     return build_trainer(cfg, task, grid, logging.getLogger("dlscale.doctor"), tmp)
 
 
-def serial_curve(cfg, device: torch.device, steps: int, tmp: Path) -> list[float] | str:
+def serial_curve(cfg, device: torch.device, steps: int, tmp: Path) -> dict[str, list[float]] | str:
     """The single-device losses, or why there are none (the model does not fit one device)."""
     single = dataclasses.replace(cfg, parallel=ParallelConfig(), trainer=dataclasses.replace(cfg.trainer, ckpt_async=False))
     try:
@@ -66,27 +69,29 @@ def serial_curve(cfg, device: torch.device, steps: int, tmp: Path) -> list[float
         return "the model does not fit one device: no single-device curve"
 
 
-def deviation(layout: list[float], single: list[float]) -> float:
-    """The largest relative difference of the two curves (inf when a loss is not finite)."""
-    if not all(math.isfinite(v) for v in layout + single):
+def deviation(layout: dict[str, list[float]], single: dict[str, list[float]]) -> float:
+    """The largest relative difference of the two runs' losses and gradient norms (inf when one is not finite)."""
+    pairs = [(a, b) for key in layout for a, b in zip(layout[key], single[key], strict=True)]
+    if not all(math.isfinite(a) and math.isfinite(b) for a, b in pairs):
         return math.inf
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(layout, single, strict=True))
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
 
 
-def curve_check(cfg, grid: Grid, losses: list[float], steps: int, tmp: Path) -> Check:
+def curve_check(cfg, grid: Grid, losses: dict[str, list[float]], steps: int, tmp: Path) -> Check:
     """Rank 0 runs the single-device curve while the others wait; every rank gets the same verdict."""
     if grid.world_size == 1:
         return Check("layout", "single-device curve", "pass", "the layout is one device: nothing to compare",
-                     {"losses": losses})
+                     {"layout": losses})
     single = serial_curve(cfg, grid.device, steps, tmp) if grid.is_main else None
     barrier(grid.world)
     single = broadcast_object(single, grid.world)
     if isinstance(single, str):
-        return Check("layout", f"{grid.name} vs single device, {steps} steps", "warn", single, {"losses": losses})
+        return Check("layout", f"{grid.name} vs single device, {steps} steps", "warn", single, {"layout": losses})
     worst, tol = deviation(losses, single), TOLERANCE[cfg.precision.mode]
     return Check("layout", f"{grid.name} vs single device, {steps} steps ({cfg.precision.mode})",
-                 "pass" if worst <= tol else "fail", f"largest relative loss difference {worst:.2g}, tolerance {tol:.2g}",
-                 {"losses": losses, "single_device_losses": single, "deviation": worst, "tolerance": tol})
+                 "pass" if worst <= tol else "fail", f"largest relative difference of the losses and gradient norms "
+                 f"{worst:.2g}, tolerance {tol:.2g}", {"layout": losses, "single_device": single, "deviation": worst,
+                                                       "tolerance": tol})
 
 
 def throughput_check(trainer, warmup: int, steps: int) -> Check:
