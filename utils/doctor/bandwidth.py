@@ -175,7 +175,7 @@ def bandwidth_checks(groups: dict, device: torch.device, min_fraction: float) ->
         ratio = measured / assumed
         status = "pass" if ratio >= 1 else "warn" if ratio >= min_fraction else "fail"
         checks.append(Check("bandwidth", f"{name}: busbw GB/s vs planner gpu={preset[0]}", status,
-                            f"{text}; all-gather/reduce-scatter {measured:.2f} = {ratio:.2f} x the {assumed:g} "
+                            f"{text}; all-gather/reduce-scatter {measured:.3g} = {ratio:.2g} x the {assumed:g} "
                             f"the planner assumes {where}", {"busbw_gbs": figures, "assumed_gbs": assumed,
                                                              "ratio": ratio}))
     return checks

@@ -114,11 +114,15 @@ def checks_of_rank(cfg, grid: Grid, opts: dict) -> tuple[list[Check], dict, dict
 
 
 def combine(checks: list[Check], grid: Grid) -> list[Check]:
-    """Rank 0's checks, each with the worst status any rank gave it."""
-    local = torch.tensor([STATUSES.index(c.status) for c in checks] + [len(checks)], device=grid.device)
+    """Rank 0's checks, each with the worst status any rank gave it (a class stopped by an error on some ranks
+    only leaves the ranks with different lists: then rank 0's, and one failure that says so)."""
+    counts = all_reduce(torch.tensor([len(checks), -len(checks)], device=grid.device), grid.world, "max").tolist()
+    if counts[0] != -counts[1]:
+        return checks + [Check("environment", "the ranks agree", "fail", f"the ranks made {-counts[1]} to {counts[0]} "
+                               "checks: a class stopped with an error on some ranks only (see every rank's output)")]
+    local = torch.tensor([STATUSES.index(c.status) for c in checks], device=grid.device)
     worst = all_reduce(local, grid.world, "max").tolist()
-    assert worst[-1] == len(checks), "the ranks made different checks"
-    for check, status in zip(checks, worst, strict=False):
+    for check, status in zip(checks, worst, strict=True):
         if STATUSES[status] != check.status:
             check.status, check.detail = STATUSES[status], f"{STATUSES[status]} on another rank; rank 0: {check.detail}"
     return checks
@@ -193,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         options, rest = parse_options(argv)
         cfg, _, _ = load_config(rest)
         if local_launch.starts_local_ranks(cfg):
-            nproc, _ = local_launch.parse_nproc([])
-            return launch(argv, local_launch.world_size(rest, nproc))
+            return launch(argv, local_launch.world_size(rest, None))
     except ConfigError as err:
         exit_bad_input(err)
     return rank_command(argv)
