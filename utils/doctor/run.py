@@ -24,7 +24,7 @@ from utils import ConfigError, exit_bad_input, require
 from utils.cli import local_launch
 from utils.cli.config import load_config
 from utils.cli.launch import die_with_parent, free_port, rank_env
-from utils.comm import Axis, Grid, destroy_grid, init_grid
+from utils.comm import Grid, destroy_grid, init_grid
 from utils.doctor.adjoints import adjoint_checks
 from utils.doctor.bandwidth import bandwidth_checks, bandwidth_file, measure
 from utils.doctor.environment import environment_checks, node_of_every_rank
@@ -103,10 +103,12 @@ def checks_of_rank(cfg, grid: Grid, opts: dict) -> tuple[list[Check], dict, dict
     node_of = [node for node, _ in node_of_every_rank(grid)]
     groups = {} if "bandwidth" in skip else measure(grid, opts["--sizes-mib"], 2, opts["--iters"], node_of)
     checks += [] if "bandwidth" in skip else bandwidth_checks(groups, grid.device, opts["--min-bandwidth-fraction"])
-    axes = [grid.axis(a) for a in grid.order if grid.size(a) > 1] or [grid.axis(Axis.TP)]
-    for axis in axes:
-        checks += [] if "mappings" in skip else guarded("mappings", adjoint_checks, axis, grid.device)
-        checks += [] if "layers" in skip else guarded("layers", layer_checks, axis, grid.device)
+    axes = [grid.axis(a) for a in grid.order if grid.size(a) > 1]
+    for kind, fn in (("mappings", adjoint_checks), ("layers", layer_checks)):
+        if kind not in skip and not axes:
+            checks.append(Check(kind, "one rank", "pass", "no axis above one rank: nothing parallel to check"))
+        for axis in axes if kind not in skip else []:
+            checks += guarded(kind, fn, axis, grid.device)
     grid.reset_comm_bytes()
     if "layout" not in skip:
         checks += guarded("layout", training_checks, cfg, grid, opts["--steps"], opts["--timed-steps"])
