@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers import ROOT, read_scalars
-from utils.cli.hydra_app import is_hydra_command, with_sweep_subdir
+from utils.cli.hydra_app import SUBMITIT_MAX_NUM_TIMEOUT, is_hydra_command, with_launcher_defaults, with_sweep_subdir
 from utils.cli.runs import read_layout
 
 TINY = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
@@ -122,3 +122,27 @@ def test_a_bad_point_stops_the_sweep_before_any_trains(args, setting, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert f"({setting}" in lines[0] and not (tmp_path / "runs").exists()
+
+
+def test_a_point_that_does_not_fit_the_launchers_tasks_is_refused_before_submission(tmp_path):
+    """hydra.launcher.nodes x tasks_per_node ranks per point: a tp4 point on 2 tasks is refused with one line and
+    exit 2 before any job is submitted (no sbatch here: it would fail otherwise); before, each of its ranks failed
+    inside its job and Slurm showed the job COMPLETED."""
+    proc = train(tmp_path / "cwd", "-m", "parallel=tp2,tp4", "hydra/launcher=submitit_slurm",
+                 "hydra.launcher.tasks_per_node=2", f"run.root={tmp_path / 'runs'}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    assert lines[0].startswith("error: sweep point #1 (parallel=tp4 ") and ") would run on hydra.launcher.nodes x " \
+        "tasks_per_node = 1 x 2 = 2 ranks, but world size 2 does not fit tp=4" in lines[0], lines[0]
+    assert "(hydra.launcher.tasks_per_node): " in lines[0] and not (tmp_path / "runs").exists()
+
+
+def test_submitit_slurm_requeues_a_timed_out_point_unless_told_otherwise():
+    """Hydra's plugin defaults hydra.launcher.max_num_timeout to 0 (a point stopped at its time limit is never
+    requeued); the sweep gets submitit's own default unless the command line sets it."""
+    argv = ["-m", "hydra/launcher=submitit_slurm", "optim.lr=1,2"]
+    assert with_launcher_defaults(argv, argv[1:]) == [*argv, f"hydra.launcher.max_num_timeout={SUBMITIT_MAX_NUM_TIMEOUT}"]
+    given = [*argv, "hydra.launcher.max_num_timeout=0"]
+    assert with_launcher_defaults(given, given[1:]) == given
+    local = ["-m", "hydra/launcher=submitit_local", "optim.lr=1,2"]
+    assert with_launcher_defaults(local, local[1:]) == local

@@ -15,22 +15,35 @@ Hydra composed with the same `typed_config` as a single run and trains it with `
   under a submitit launcher with several tasks per point (hydra.launcher.tasks_per_node, nodes), each
   task is one rank: torch.distributed's variables come from submitit's view of the Slurm (or local) job.
 The basic launcher runs the points one after another and stops at the first that fails, with its exit
-status; a failed submitit job fails the sweep (Hydra reports it) and its error is in its .submitit log.
+status. Under a submitit launcher (utils/cli/submitit_job.py):
+- a point whose layout does not fit hydra.launcher.nodes x tasks_per_node is refused before any job is
+  submitted (the one-line error, exit 2);
+- the trainer's stop is submitit's checkpoint: its time-limit signal (SIGUSR2, `signal_delay_s` ahead) and
+  Slurm's SIGTERM/SIGUSR1 make every rank finish its step, checkpoint and end with 75, and then submitit's
+  own handler requeues the job (hydra.launcher.max_num_timeout times for time limits: 3 unless set, as
+  submitit's own default; Hydra's plugin would say 0), which resumes from that checkpoint;
+- a point that fails, or stops without being requeued, is a FAILED Slurm job with its exit status, and the
+  sweep reports its error (its .submitit log has the rest).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from utils import EXIT_BAD_INPUT, ConfigError, exit_bad_input
+from utils.engine.preemption import EXIT_PREEMPTED, record_stop_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 # Hydra's flags that make a command Hydra's (its argparse spelling); --cfg/-c only with a kind after it.
 HYDRA_FLAGS = ("-m", "--multirun", "--info", "-i", "-cn", "--config-name", "-cp", "--config-path", "-cd",
                "--config-dir", "--hydra-help", "--version", "-r", "--run", "-sc", "--shell-completion")
 CFG_KINDS = ("job", "hydra", "all")
+# Requeues of a sweep point at its time limit: submitit's own default (Hydra's plugin says 0: never requeued)
+SUBMITIT_MAX_NUM_TIMEOUT = 3
 
 
 def is_hydra_command(argv: list[str]) -> bool:
@@ -73,7 +86,41 @@ def check_points(overrides: list[str], multirun: bool) -> str | None:
         return None
     points = sweep_points(task_args) if multirun else [task_args]
     cfgs = [load_config((hydra_args if i == 0 else []) + point)[0] for i, point in enumerate(points)]
+    if multirun:
+        check_launcher_ranks(hydra_args, points, cfgs)
     return cfgs[0].run.root
+
+
+def _value(overrides: list[str], key: str) -> str | None:
+    """The value the command line gives `key` (the last one wins, as in Hydra), else None."""
+    values = [o.split("=", 1)[1] for o in overrides if "=" in o and o.lstrip("+~").split("=", 1)[0] == key]
+    return values[-1] if values else None
+
+
+def check_launcher_ranks(hydra_args: list[str], points: list[list[str]], cfgs: list) -> None:
+    """Under a submitit launcher with several tasks per point each task is one rank: refuse, before any job
+    is submitted, a point whose layout does not fit hydra.launcher.nodes x tasks_per_node (else each of its
+    ranks fails inside its job, after the queue wait)."""
+    from utils.cli.launch import LaunchEnv
+    from utils.comm import check_grid
+
+    if not (_value(hydra_args, "hydra/launcher") or "").startswith("submitit"):
+        return
+    try:
+        nodes, per_node = (int(_value(hydra_args, f"hydra.launcher.{k}") or 1) for k in ("nodes", "tasks_per_node"))
+    except ValueError:
+        return  # not a number: Hydra's own check refuses it
+    if nodes * per_node == 1:
+        return  # one task per point: it starts its layout's local ranks itself
+    for num, (point, cfg) in enumerate(zip(points, cfgs)):
+        try:
+            check_grid(cfg.parallel, LaunchEnv(world_size=nodes * per_node))
+        except ConfigError as err:
+            raise ConfigError(f"sweep point #{num} ({' '.join(point) or 'no overrides'}) would run on "
+                              f"hydra.launcher.nodes x tasks_per_node = {nodes} x {per_node} = {nodes * per_node} "
+                              f"ranks, but {err.what}", "hydra.launcher.tasks_per_node",
+                              "give every point a layout that fits the launcher's ranks, or set "
+                              "hydra.launcher.nodes and hydra.launcher.tasks_per_node to fit it") from None
 
 
 def main(argv: list[str]) -> int:
@@ -96,7 +143,8 @@ def main(argv: list[str]) -> int:
     # Submitit's job processes import this module (to unpickle `task`) from wherever they start.
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths if str(ROOT) in paths else [str(ROOT), *paths])
-    sys.argv = [sys.argv[0], *with_sweep_subdir(argv, args.overrides)]  # @hydra.main reads sys.argv
+    argv = with_launcher_defaults(with_sweep_subdir(argv, args.overrides), args.overrides)
+    sys.argv = [sys.argv[0], *argv]  # @hydra.main reads sys.argv
     try:
         hydra_main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(task)()
     finally:
@@ -107,6 +155,8 @@ def main(argv: list[str]) -> int:
 
 def task(job_cfg) -> int:
     """One point of a sweep (or a Hydra run): convert Hydra's config as a single run's and train it."""
+    submitit_handler = record_submitit_stops()  # a submitit job's first lines: before torch is imported
+
     from hydra.core.hydra_config import HydraConfig
 
     from utils.comm import destroy_grid
@@ -129,11 +179,8 @@ def task(job_cfg) -> int:
         code, failure = EXIT_BAD_INPUT, err.line()
     finally:
         destroy_grid()
-    if code and os.environ.get("SUBMITIT_EXECUTOR"):  # a failed job, which Hydra reports when the sweep ends
-        from submitit import JobEnvironment
-
-        raise RuntimeError(f"sweep point #{hydra_cfg.job.num} exited with status {code}: {failure or 'see its log'} "
-                           f"({JobEnvironment().paths.stderr})")
+    if code and os.environ.get("SUBMITIT_EXECUTOR"):  # requeued by submitit, or a FAILED job the sweep reports
+        end_submitit_point(code, submitit_handler, f"sweep point #{hydra_cfg.job.num}", failure)
     if code:
         raise SystemExit(code)  # the basic launcher: the sweep stops here, with this point's status
     return 0
@@ -175,3 +222,66 @@ def check_handover(hydra_cfg, cfg) -> None:
     if not own and starts_local_ranks(cfg):
         raise ConfigError("the local ranks of this layout would not see the config chosen with -cn/-cp/-cd",
                           "parallel", "start the ranks with torchrun or srun, or set hydra.launcher.tasks_per_node")
+
+
+def with_launcher_defaults(argv: list[str], overrides: list[str]) -> list[str]:
+    """hydra/launcher=submitit_slurm without hydra.launcher.max_num_timeout: submitit's own default, so that a
+    point stopped at its time limit (with a checkpoint) is requeued and resumes."""
+    if _value(overrides, "hydra/launcher") != "submitit_slurm" or _given(overrides, "hydra.launcher.max_num_timeout"):
+        return argv
+    return [*argv, f"hydra.launcher.max_num_timeout={SUBMITIT_MAX_NUM_TIMEOUT}"]
+
+
+def record_submitit_stops():
+    """In a submitit job (its task has no train.py first lines): submitit's handler for its time-limit signal
+    (SIGUSR2), kept to hand a stopped point back to submitit, then the trainer's record-only stop handlers in
+    its place; None elsewhere (train.py installed them already)."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    handler = signal.getsignal(signal.SIGUSR2)
+    record_stop_signals()
+    return handler
+
+
+def end_submitit_point(code: int, handler, name: str, failure: str | None) -> NoReturn:
+    """End a submitit job whose point did not finish (status `code`), so that Slurm shows what happened:
+
+    75 (every rank stopped with a checkpoint): rank 0 calls submitit's own signal handler now, which asks the
+    launcher for the same point again (its `checkpoint`), requeues the job (for a time limit at most
+    hydra.launcher.max_num_timeout times) and exits; the requeued job resumes from the checkpoint. Not
+    requeued: the reason goes into every task's result, and the job fails with 75.
+    Any other status: this task's result is the error, and the job fails with the status (before, Hydra
+    caught the error inside the job, which Slurm then showed as COMPLETED 0:0)."""
+    from submitit import JobEnvironment
+
+    env = JobEnvironment()
+    if code == EXIT_PREEMPTED:
+        if env.global_rank != 0:
+            raise SystemExit(code)  # rank 0 hands the job to submitit, or writes every task's result
+        reason = "no submitit handler for SIGUSR2"
+        if callable(handler):
+            try:
+                handler(signal.SIGUSR2, None)  # requeued: submitit exits here
+                reason = "submitit did not requeue it"
+            except Exception as err:  # noqa: BLE001 - e.g. "timed-out too many times", scontrol refused
+                reason = str(err).strip().splitlines()[-1]
+        message = (f"{name} stopped with a checkpoint (exit {code}) and was not requeued ({reason}): run the "
+                   "same sweep again to continue from it (raise hydra.launcher.max_num_timeout for more requeues)")
+        tasks = range(env.num_tasks)
+    else:
+        message = f"{name} exited with status {code}: {failure or 'see its log'} ({env.paths.stderr})"
+        tasks = [env.global_rank]
+    write_error_results(env, tasks, message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)  # past Hydra's run_job and submitit's process_job, which catch only Exceptions
+
+
+def write_error_results(env, tasks, message: str) -> None:
+    """What submitit's process_job writes for a task that raised: ("error", text) in the task's result file,
+    which the sweep's side reads (it raises the error) without asking Slurm's accounting."""
+    from submitit.core.utils import JobPaths, cloudpickle_dump, temporary_save_path
+
+    for task_id in tasks:
+        path = JobPaths(os.environ["SUBMITIT_FOLDER"], job_id=env.job_id, task_id=task_id).result_pickle
+        with temporary_save_path(path) as tmp:
+            cloudpickle_dump(("error", message), tmp)
