@@ -12,6 +12,7 @@ hardly notices a gradient's scale, the curve's gradient norms do).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -157,3 +158,15 @@ def test_bad_options_are_refused_before_any_work(tmp_path):
     code, _, err = run_main("utils.doctor.run", "--skip", "environment")
     assert code == 2 and "(--skip)" in err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_slurm_script_checks_one_node_and_refuses_more():
+    """submit/doctor.sh runs the doctor as one task on one node; a job of two nodes is refused in one line."""
+    env = {"PATH": os.environ["PATH"], "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}
+    proc = subprocess.run(["bash", str(ROOT / "submit" / "doctor.sh"), "parallel=tp2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: submit/doctor.sh checks one node, the job has 2 (--nodes)")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    text = (ROOT / "submit" / "doctor.sh").read_text()
+    assert "python -m utils.doctor \"$@\"" in text and "#SBATCH --nodes=1" in text and "#SBATCH --ntasks-per-node=1" in text
