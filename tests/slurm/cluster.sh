@@ -42,6 +42,8 @@ write_config() {  # DIR NODES
     mapfile -t names < <(node_names "$nodes")
     cat > "$dir/slurm.conf" <<EOF
 ClusterName=dlscaletest
+# job ids unlike an earlier cluster's (slurmctld -c starts again from here): job logs are appended to by id
+FirstJobId=$(( $(date +%s) % 100000 * 10 + 1 ))
 SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
