@@ -18,6 +18,7 @@ counts are left out as there). Rank 0 holds the largest shard of an uneven tp sp
 Options (defaults by gpu: h100 | a100 | cpu):
   gpu=NAME            h100 (default) | a100 | cpu
   --world N           plan every layout of N ranks (tp x cp x dp, pp=1) the config checks accept
+  --jobs N            with --world: layouts planned at once, in forked processes (default: one per CPU core)
   --json              print JSON: per layout comm_bytes {axis: bytes per step}, param_bytes, grad_bytes,
                       optimizer_bytes, activation_bytes (rank 0), step_time_s, compute_s, comm_s, fits
   --efficiency X      achieved fraction of the dense peak (utils.engine.flops.PEAK_TFLOPS): 0.5
@@ -43,8 +44,11 @@ reduce-scatters are torch's own and not counted in comm/<axis>_bytes).
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import sys
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 from utils import ConfigError, exit_bad_input, require
 from utils.plan.bandwidths import read_bandwidths
@@ -81,6 +85,7 @@ class Request:
     gpu: str = "h100"
     world: int = 0  # 0: plan the one layout the overrides give
     as_json: bool = False
+    jobs: int = 0  # layouts planned at once (--jobs); 0: one per CPU core this process may use
     links_from: str = ""  # --bandwidths: the doctor's file the link figures come from
 
 
@@ -119,7 +124,7 @@ def parse_args(argv: list[str]) -> Request:
             value = value if eq else next(it, "")
             require(bool(value), "--bandwidths needs a file", "--bandwidths", "give the doctor's bandwidths JSON")
             measured = read_bandwidths(value)
-        elif key in OPTIONS or key == "--world":
+        elif key in OPTIONS or key in ("--world", "--jobs"):
             value = value if eq else next(it, "")
             try:
                 number = float(value)
@@ -133,7 +138,7 @@ def parse_args(argv: list[str]) -> Request:
             raise ConfigError(f"unknown option '{arg}'", arg, "see python -m utils.plan --help")
         else:
             req.overrides.append(arg)
-    req.world = int(values.pop("--world", 0))
+    req.world, req.jobs = int(values.pop("--world", 0)), int(values.pop("--jobs", 0))
     hw = Hardware(**asdict(GPUS[req.gpu]))
     hw.intra_gbs = PCIE_GBS if pcie else hw.intra_gbs
     if measured is not None:  # the doctor's figures replace the preset's; explicit flags (below) win
@@ -239,18 +244,38 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
 
 
 def plan_world(req: Request, configs: LayoutConfigs) -> list[LayoutPlan]:
-    """Plan every layout of req.world ranks; a layout the config checks refuse is kept with its error."""
+    """Plan every layout of req.world ranks (req.jobs at a time); a layout the config checks refuse is kept
+    with its error."""
     depths = probe_depths(configs, configs.load({}).model.depth)
-    plans = []
-    for tp, cp, dp in layouts(req.world):
-        sizes = {"parallel.tp": tp, "parallel.cp": cp, "parallel.dp": dp, "parallel.pp": 1}
-        try:
-            plans.append(plan_settings(configs, sizes, req.hardware, req.world, depths))
-        except ConfigError as err:
-            name = "-".join(f"{a}{n}" for a, n in (("tp", tp), ("cp", cp), ("dp", dp)) if n > 1) or "single"
-            overrides = configs.overrides + [f"{k}={v}" for k, v in sizes.items()]
-            plans.append(LayoutPlan(name, overrides, fits=False, refused=err.line()))
+    sizes = [{"parallel.tp": tp, "parallel.cp": cp, "parallel.dp": dp, "parallel.pp": 1}
+             for tp, cp, dp in layouts(req.world)]
+    plan = partial(plan_or_refusal, configs, hw=req.hardware, world=req.world, depths=depths)
+    jobs = min(len(sizes), req.jobs or len(os.sched_getaffinity(0)))
+    if jobs > 1:  # forked workers: the imports and the composed config are inherited, not redone
+        with multiprocessing.get_context("fork").Pool(jobs, initializer=one_thread) as pool:
+            plans = pool.map(plan, sizes, chunksize=1)
+    else:
+        plans = [plan(s) for s in sizes]
     return sorted(plans, key=lambda p: (bool(p.refused), not p.fits, p.step_time_s))
+
+
+def plan_or_refusal(configs: LayoutConfigs, settings: dict[str, int], *, hw: Hardware, world: int,
+                    depths: tuple[int, ...]) -> LayoutPlan:
+    """plan_settings, or the layout with its one-line error when the config checks refuse it."""
+    try:
+        return plan_settings(configs, settings, hw, world, depths)
+    except ConfigError as err:
+        name = "-".join(f"{a}{settings[f'parallel.{a}']}" for a in ("tp", "cp", "dp")
+                        if settings[f"parallel.{a}"] > 1) or "single"
+        overrides = configs.overrides + [f"{k}={v}" for k, v in settings.items()]
+        return LayoutPlan(name, overrides, fits=False, refused=err.line())
+
+
+def one_thread() -> None:
+    """A forked worker computes with one thread: one worker per core, and no OpenMP pool from the parent."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def as_dict(plan: LayoutPlan) -> dict:
