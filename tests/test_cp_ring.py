@@ -243,7 +243,8 @@ def _kernel_ranks(rank: int, world_size: int) -> None:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(blocks, "select_kernel", lambda device, dtype, d, masked: "math" if masked else kind)
             patch.setitem(blocks._KERNELS, kind, _stand_in(kind, calls))
-            for n, causal, kv_heads in ((8 * world_size, True, H), (8 * world_size, True, 1), (6 * world_size + 3, False, 1)):
+            cases = ((8 * world_size, True, H), (8 * world_size, True, 1), (6 * world_size + 3, False, 1))
+            for n, causal, kv_heads in cases:
                 q, k, v, grad = _qkv(n, seed=n + kv_heads)
                 k, v = k[:, :kv_heads], v[:, :kv_heads]  # grouped K/V: the kernels see the folded heads unfolded
                 ref = _reference(q, k.repeat_interleave(H // kv_heads, 1), v.repeat_interleave(H // kv_heads, 1),

@@ -101,7 +101,8 @@ def _shapes(k: torch.Tensor, v: torch.Tensor, n: int) -> list[tuple[int, ...]]:
     return [(*k.shape[:-2], n, k.shape[-1]), (*v.shape[:-2], n, v.shape[-1])]
 
 
-Part = tuple  # (query chunk: None for every row, 0 or 1; key chunk: None, 0 or 1; mask or None; mask is the square causal one)
+Part = tuple  # (query chunk: None for every row, 0 or 1; key chunk: None, 0 or 1; mask or None; whether the mask
+#               is the square causal one)
 
 
 def _hop_parts(rank: int, source: int, chunk: int | None, positions, bounds, group: int, device) -> list[Part]:

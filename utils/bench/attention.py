@@ -176,33 +176,25 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 def trace_overlap(events, phase: str) -> tuple[float, float]:
     """(ms the transfers were in flight, ms of that while an aten operator ran on the main thread) within the
     profiled `phase` event (_RingAttention: forward; _RingAttentionBackward: backward)."""
-    span = next(e.time_range for e in events if e.name == phase)
+    outer = next(e for e in events if e.name == phase)
+    span = outer.time_range
     inside = [e for e in events if span.start <= e.time_range.start and e.time_range.end <= span.end]
     comm = _union([(e.time_range.start, e.time_range.end) for e in inside if e.name.split(":")[0] in ("gloo", "nccl")])
-    main = span_thread = next(e.thread for e in events if e.name == phase)
     compute = _union([(e.time_range.start, e.time_range.end) for e in inside
-                      if e.name.startswith("aten::") and e.thread == main == span_thread])
+                      if e.name.startswith("aten::") and e.thread == outer.thread])
     return sum(b - a for a, b in comm) / 1e3, _overlap(comm, compute) / 1e3
 
 
-def measure_overlap(options: dict, grid, heads: int, d: int, n: int) -> str:
-    """The ring's transfers against its block computation (module doc, `--overlap`)."""
-    from torch.profiler import ProfilerActivity, profile
-
+def timed_ring_steps(attention, leaves: list[torch.Tensor], grad: torch.Tensor, warmup: int, iters: int) -> list:
+    """Run forward + backward `warmup + iters` times with every `ring_shift` of the ring timed; the records of
+    the last `iters`: [phase, issue time, wait start, wait end, the tensors sent, shapes, tag]."""
     from distributed.context import ring
-    from distributed.context.attention import ContextParallelAttention
-    from distributed.context.layout import ContextShards
 
-    axis, causal = grid.axis(Axis.CP), options["--causal"]
-    shards = ContextShards(axis, balanced=causal)
-    shards.enter(n, grid.device)
-    local = [shards.shard(t, 2) for t in inputs(options["--batch"], heads, n, d, options["--dtype"], grid.device, 0)]
-    attention, phase, shifts = ContextParallelAttention(shards, causal, "ring"), ["forward"], []
-    real_shift = ring.ring_shift
+    phase, shifts, real_shift = ["forward"], [], ring.ring_shift
 
-    def timed_shift(tensors, axis_, shapes, tag=0):  # (phase, issue, wait start, wait end, what it sent)
+    def timed_shift(tensors, axis, shapes, tag=0):
         record = [phase[0], time.perf_counter(), 0.0, 0.0, [t.clone() for t in tensors], shapes, tag]
-        wait = real_shift(tensors, axis_, shapes, tag)
+        wait = real_shift(tensors, axis, shapes, tag)
 
         def timed_wait():
             record[2] = time.perf_counter()
@@ -212,45 +204,71 @@ def measure_overlap(options: dict, grid, heads: int, d: int, n: int) -> str:
         shifts.append(record)
         return timed_wait
 
-    leaves = [t.detach().requires_grad_() for t in local[:3]]
     ring.ring_shift = timed_shift
     try:
-        for i in range(options["--warmup"] + options["--iters"]):
-            if i == options["--warmup"]:
+        for i in range(warmup + iters):
+            if i == warmup:
                 shifts.clear()
             phase[0] = "forward"
             out = attention(*leaves)
             phase[0] = "backward"
-            out.backward(local[3])
+            out.backward(grad)
     finally:
         ring.ring_shift = real_shift
+    return shifts
+
+
+def overlap_rows(shifts: list, alone: list[float], iters: int, cp: int) -> list[str]:
+    """Table rows per phase and what travels: hops per step, ms alone, ms waited, the share hidden."""
+    from distributed.context.ring import GRAD_TAG, KV_TAG
+
+    grads = [i for i, r in enumerate(shifts) if r[6] == GRAD_TAG]
+    home = set(grads[cp - 1::cp])  # each step's last dK/dV hop: waited after the last block, nothing to hide it
+    kinds = (("K/V", lambda i, r: r[6] == KV_TAG), ("dK/dV under the blocks", lambda i, r: r[6] == GRAD_TAG
+             and i not in home), ("dK/dV home, after the last block", lambda i, r: i in home))
+    rows = []
+    for name in ("forward", "backward"):
+        for what, keep in kinds:
+            mine = [(r, a) for i, (r, a) in enumerate(zip(shifts, alone)) if r[0] == name and keep(i, r)]
+            if mine:
+                alone_s, waited_s = sum(a for _, a in mine) / iters, sum(r[3] - r[2] for r, _ in mine) / iters
+                rows.append(f"| {name} | {what} | {len(mine) // iters} | {alone_s * 1e3:.2f} | {waited_s * 1e3:.2f} "
+                            f"| {max(0.0, 1 - waited_s / alone_s):.0%} |")
+    return rows
+
+
+def measure_overlap(options: dict, grid, heads: int, d: int, n: int) -> str:
+    """The ring's transfers against its block computation (module doc, `--overlap`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from distributed.collectives import ring_shift
+    from distributed.context.attention import ContextParallelAttention
+    from distributed.context.layout import ContextShards
+
+    axis, causal, iters = grid.axis(Axis.CP), options["--causal"], options["--iters"]
+    shards = ContextShards(axis, balanced=causal)
+    shards.enter(n, grid.device)
+    local = [shards.shard(t, 2) for t in inputs(options["--batch"], heads, n, d, options["--dtype"], grid.device, 0)]
+    attention = ContextParallelAttention(shards, causal, "ring")
+    leaves = [t.detach().requires_grad_() for t in local[:3]]
+    shifts = timed_ring_steps(attention, leaves, local[3], options["--warmup"], iters)
     alone = []
     for record in shifts:  # every rank issues the same transfers in the same order: each one alone now
         start = time.perf_counter()
-        real_shift(record[4], axis, record[5], record[6])()
+        ring_shift(record[4], axis, record[5], record[6])()
         alone.append(time.perf_counter() - start)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         attention(*leaves).backward(local[3])
     if options["--trace-dir"]:
         prof.export_chrome_trace(f"{options['--trace-dir']}/ring_rank{grid.rank(Axis.CP)}.json")
-    events, iters, cp = list(prof.events()), options["--iters"], grid.size(Axis.CP)
-    lines = [f"ring at cp={grid.size(Axis.CP)}: batch {options['--batch']}, {heads} heads x {d}, {n} tokens, "
+    events = list(prof.events())
+    lines = [f"ring at cp={axis.size}: batch {options['--batch']}, {heads} heads x {d}, {n} tokens, "
              f"{str(options['--dtype']).removeprefix('torch.')}; {device_name(grid.device)}, {datetime.date.today()}; "
-             f"per step, mean of {iters}",
-             "| phase | what travels | transfers | alone ms | waited ms | hidden under compute |", "|---|---|---:|---:|---:|---:|"]
-    for name in ("forward", "backward"):
-        grads = [i for i, r in enumerate(shifts) if r[6] == ring.GRAD_TAG]
-        home = set(grads[cp - 1::cp])  # each step's last dK/dV hop: waited after the last block, nothing to hide it
-        for what, keep in (("K/V", lambda i, r: r[6] == ring.KV_TAG),
-                           ("dK/dV under the blocks", lambda i, r: r[6] == ring.GRAD_TAG and i not in home),
-                           ("dK/dV home, after the last block", lambda i, r: i in home)):
-            mine = [(r, a) for i, (r, a) in enumerate(zip(shifts, alone)) if r[0] == name and keep(i, r)]
-            if mine:
-                alone_s, waited_s = sum(a for _, a in mine) / iters, sum(r[3] - r[2] for r, _ in mine) / iters
-                lines.append(f"| {name} | {what} | {len(mine) // iters} | {alone_s * 1e3:.2f} | {waited_s * 1e3:.2f} "
-                             f"| {1 - waited_s / alone_s:.0%} |")
-    lines += ["", "one profiled step (torch.profiler): | phase | gloo send/recv open ms | of it while an aten op ran ms |",
-              "|---|---:|---:|"]
+             f"per step, mean of {iters}", "| phase | what travels | transfers | alone ms | waited ms "
+             "| hidden under compute |", "|---|---|---:|---:|---:|---:|",
+             *overlap_rows(shifts, alone, iters, axis.size),
+             "", "one profiled step (torch.profiler):", "| phase | gloo send/recv open ms "
+             "| of it while an aten op ran ms |", "|---|---:|---:|"]
     for name, event in (("forward", "_RingAttention"), ("backward", "_RingAttentionBackward")):
         lines.append(f"| {name} | %.2f | %.2f |" % trace_overlap(events, event))
     return "\n".join(lines)
