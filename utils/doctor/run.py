@@ -101,8 +101,13 @@ def checks_of_rank(cfg, grid: Grid, opts: dict) -> tuple[list[Check], dict, dict
     skip = opts["--skip"].split(",")
     checks, facts = environment_checks(grid, cfg.precision.mode)
     node_of = [node for node, _ in node_of_every_rank(grid)]
-    groups = {} if "bandwidth" in skip else measure(grid, opts["--sizes-mib"], 2, opts["--iters"], node_of)
-    checks += [] if "bandwidth" in skip else bandwidth_checks(groups, grid.device, opts["--min-bandwidth-fraction"])
+    groups: dict = {}
+
+    def bandwidth() -> list[Check]:
+        groups.update(measure(grid, opts["--sizes-mib"], 2, opts["--iters"], node_of))
+        return bandwidth_checks(groups, grid.device, opts["--min-bandwidth-fraction"])
+
+    checks += [] if "bandwidth" in skip else guarded("bandwidth", bandwidth)
     axes = [grid.axis(a) for a in grid.order if grid.size(a) > 1]
     for kind, fn in (("mappings", adjoint_checks), ("layers", layer_checks)):
         if kind not in skip and not axes:
@@ -112,7 +117,8 @@ def checks_of_rank(cfg, grid: Grid, opts: dict) -> tuple[list[Check], dict, dict
     grid.reset_comm_bytes()
     if "layout" not in skip:
         checks += guarded("layout", training_checks, cfg, grid, opts["--steps"], opts["--timed-steps"])
-    return checks, facts, None if "bandwidth" in skip else bandwidth_file(groups, grid)
+    measured = "bandwidth" not in skip and (groups or grid.world_size == 1)  # no file of figures not measured
+    return checks, facts, bandwidth_file(groups, grid) if measured else None
 
 
 def combine(checks: list[Check], grid: Grid) -> list[Check]:
@@ -130,7 +136,7 @@ def combine(checks: list[Check], grid: Grid) -> list[Check]:
     return checks
 
 
-def rank_main(cfg, options: dict) -> int:
+def rank_main(cfg, model: str, options: dict) -> int:
     """One rank of the doctor: its checks, the combined verdict; rank 0 writes the report."""
     grid = init_grid(cfg.parallel)
     opts = resolved(options, grid.device)
@@ -140,7 +146,7 @@ def rank_main(cfg, options: dict) -> int:
     if grid.is_main:
         out = Path(opts["--out"]) if opts["--out"] else default_out_dir(cfg.run.root, grid.name)
         header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "layout": grid.signature, "model": cfg.model.arch, "precision": cfg.precision.mode, **facts}
+                  "layout": grid.signature, "model": model, "precision": cfg.precision.mode, **facts}
         header.pop("links")
         path = write_report(out, checks, header)
         (out / "links.txt").write_text(facts["links"] + "\n")
@@ -159,8 +165,8 @@ def rank_command(argv: list[str]) -> int:
     """This process is one rank (torchrun, srun, a launched local rank or a one-rank layout)."""
     try:
         options, rest = parse_options(argv)
-        cfg, _, _ = load_config(rest)
-        return rank_main(cfg, options)
+        cfg, choices, _ = load_config(rest)
+        return rank_main(cfg, choices.get("model", cfg.model.arch), options)
     except ConfigError as err:
         exit_bad_input(err)
     finally:
