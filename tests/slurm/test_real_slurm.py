@@ -122,7 +122,7 @@ def cluster(tmp_path_factory):
 
 def job_log(name: str, job_id: str) -> str:
     path = LOGS / f"{name}-{job_id}.out"
-    return path.read_text(errors="replace") if path.exists() else ""
+    return path.read_bytes().decode(errors="replace") if path.exists() else ""  # bytes: "\r" kept as it is
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
