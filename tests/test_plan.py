@@ -219,3 +219,13 @@ def test_unset_sequence_parallelism_is_resolved_for_the_planned_device():
     assert tp_bytes["true"] != tp_bytes["false"]
     assert plan_layout(TINY + ["parallel=tp2"], GPUS["h100"], 2).comm_bytes == tp_bytes["true"]
     assert plan_layout(TINY + ["parallel=tp2"], GPUS["cpu"], 2).comm_bytes == tp_bytes["false"]
+
+
+def test_forked_workers_give_the_sequential_answer(capsys):
+    """--jobs 2 (each layout in a forked process) prints what --jobs 1 prints, ranking and figures."""
+    outputs = []
+    for jobs in ("1", "2"):
+        assert main(["gpu=cpu", "--world", "2", "--jobs", jobs, "--json", "model.depth=1", *TINY]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1]
+    assert sorted(p["layout"] for p in outputs[0]["layouts"]) == ["cp2", "dp2", "tp2"]
