@@ -13,7 +13,10 @@ the counted ones in distributed/ still record their bytes) and takes one real Tr
 a fake-tensor mode (shapes and dtypes, no values, no FLOPs). The comm figures are the comm/<axis>_bytes a
 real run logs; the activation figure is utils.bench.train_step.saved_for_backward_bytes; parameter, gradient and
 optimizer bytes are counted as utils.engine.build.param_bytes_report does (Adam's two moments; its 4-byte step
-counts are left out as there). Rank 0 holds the largest shard of an uneven tp split.
+counts are left out as there). Rank 0 holds the largest shard of an uneven tp split. Without the wait:
+the weights are built on the meta device and allocated without values, the step is taken at depths 1 and 2
+and every figure extended to the configured depth, exactly (utils/plan/probe.py says why), and --world plans
+its layouts in forked workers.
 
 Options (defaults by gpu: h100 | a100 | cpu):
   gpu=NAME            h100 (default) | a100 | cpu
