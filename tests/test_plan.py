@@ -149,7 +149,8 @@ def test_bandwidths_file_replaces_the_preset_and_flags_win(tmp_path):
 
 @pytest.mark.parametrize("fields,what", [({"kind": "dlscale-doctor"}, "not a dlscale-bandwidths file"),
                                          ({"version": 2}, "version 2"), ({"intra_gbs": "fast"}, "intra_gbs='fast'"),
-                                         ({"inter_gbs": 0}, "inter_gbs=0"), (None, "cannot read"), ("[", "cannot read")])
+                                         ({"inter_gbs": 0}, "inter_gbs=0"), (None, "cannot read"),
+                                         ("[", "cannot read")])
 def test_bad_bandwidths_file_is_one_line_exit_2(tmp_path, capsys, fields, what):
     if isinstance(fields, dict):
         path = doctor_file(tmp_path, **fields)
@@ -168,13 +169,21 @@ def test_bad_bandwidths_file_is_one_line_exit_2(tmp_path, capsys, fields, what):
 # built with initialised weights and stepped at its full depth. Each case differs in what it exercises:
 # tp with sequence parallelism (ties of sequence regions), cp with activation checkpointing (recomputed
 # collectives, the peak in backward), the GPT's tied head and embedding (one tensor after allocation).
-FAST_VS_FULL = [(["parallel=tp2", "parallel.dp=2", "parallel.sequence_parallel=true"], 4),
-                (["parallel=cp2", "parallel.dp=2", "trainer.activation_checkpointing=true"], 4),
-                (["model=gpt_tiny", "data=wikitext_sample", "parallel=tp2"], 2)]
+# The ViT cases run in the slow tier (tests/conftest.py SLOW_TESTS), the GPT's in the fast one.
+VIT_FAST_VS_FULL = [(["parallel=tp2", "parallel.dp=2", "parallel.sequence_parallel=true"], 4),
+                    (["parallel=cp2", "parallel.dp=2", "trainer.activation_checkpointing=true"], 4)]
 
 
-@pytest.mark.parametrize("overrides,world", FAST_VS_FULL)
-def test_probed_meta_plan_equals_the_full_initialised_one(overrides, world):
+def test_probed_meta_plan_equals_the_full_initialised_one():
+    assert_fast_equals_full(["model=gpt_tiny", "data=wikitext_sample", "parallel=tp2"], 2)
+
+
+@pytest.mark.parametrize("overrides,world", VIT_FAST_VS_FULL)
+def test_probed_meta_plan_equals_the_full_initialised_one_vit(overrides, world):
+    assert_fast_equals_full(overrides, world)
+
+
+def assert_fast_equals_full(overrides, world):
     """Every figure, bit for bit, and the axes in the same order; the depth-4 figures come from depths 1 and 2."""
     from dataclasses import asdict
 
