@@ -100,10 +100,6 @@ class Cluster:
             assert time.monotonic() < deadline, f"job {job_id} still {info.get('JobState')} after {timeout} s: {info}"
             time.sleep(1)
 
-    def start_now(self, job_id: str) -> None:
-        """A requeued job pends until Slurm's hold ends (BeginTime): release it (an operator's `scontrol`)."""
-        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -164,7 +160,8 @@ def wait_for_line(path: Path, text: str, job_id: str, cluster: Cluster, timeout:
     deadline = time.monotonic() + timeout
     while not (path.exists() and text in path.read_text(errors="replace")):
         info = cluster.job(job_id)
-        assert info["JobState"] in ("NOT_YET", "PENDING", "RUNNING", "CONFIGURING") and time.monotonic() < deadline, info
+        assert info["JobState"] in ("NOT_YET", "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED") \
+            and time.monotonic() < deadline, info
         time.sleep(0.2)
 
 
@@ -179,7 +176,6 @@ def test_usr1_in_the_loop_checkpoints_requeues_and_resumes_exactly(cluster, era5
     wait_for_line(tmp_path / "run" / "train.log", "step 10/", job_id, cluster)
     cluster.run("scancel", "--signal=USR1", job_id)
     info = cluster.wait(job_id, when=lambda i: i["JobState"] == "PENDING" and i.get("Restarts") == "1")
-    cluster.start_now(job_id)
     info = cluster.wait(job_id, timeout=300)
     log = job_log("dlscale-dp", job_id)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), f"{info}\n{log[-3000:]}"
@@ -206,7 +202,6 @@ def test_a_signal_during_start_up_ends_in_75_and_the_requeued_job_resumes(cluste
     time.sleep(0.5)
     cluster.run("scancel", "--signal=USR1", job_id)
     cluster.wait(job_id, when=lambda i: i["JobState"] == "PENDING" and i.get("Restarts") == "1")
-    cluster.start_now(job_id)
     info = cluster.wait(job_id, timeout=300)
     log = job_log("dlscale-dp", job_id)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), f"{info}\n{log[-3000:]}"
@@ -250,12 +245,17 @@ def test_a_submitit_point_at_its_time_limit_checkpoints_is_requeued_and_resumes(
         train_log = (run_dir / "train.log").read_text()
         stopped = int(re.findall(r"saved checkpoint \S+step_(\d+)", train_log)[-1])
         assert "stop signal received" in train_log and stopped > 0, train_log[-3000:]
-        # the requeued attempt: at once and with time to train on (an operator's scontrol)
+        # the requeued attempt: with time to train on (an operator's scontrol)
         cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
-        cluster.start_now(job_id)
         wait_for_line(run_dir / "train.log", "resumed from", job_id, cluster)
-        wait_for_line(run_dir / "train.log", f"step {stopped + 21}/", job_id, cluster)
+        deadline = time.monotonic() + 180  # a step logged after the resume (log_every=20: steps 1, 21, 41, ...)
+        while not re.search(r"INFO step \d+/", (run_dir / "train.log").read_text().split("resumed from", 1)[1]):
+            assert time.monotonic() < deadline and cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING"), \
+                (run_dir / "train.log").read_text()[-3000:]
+            time.sleep(1)
         resumed = (run_dir / "train.log").read_text().split("resumed from", 1)[1]
+        first = int(re.search(r"INFO step (\d+)/", resumed).group(1))
+        assert stopped < first <= stopped + 20, resumed[:3000]  # on from the checkpoint, not from step 1
         assert f"step_{stopped:07d}" in resumed.split("\n")[0] + resumed.split("\n")[1], resumed[:2000]
     finally:
         cluster.run("scancel", job_id.split("_")[0], check=False)  # the point would train on for long
