@@ -178,12 +178,15 @@ def assert_follows_from_step_5(reference, resumed):
     assert val == pytest.approx(reference[2], rel=1e-5)
 
 
+TP2DP2 = ["parallel=tp2", "parallel.dp=2", "parallel.sequence_parallel=null"]
+
+
 @pytest.fixture(scope="module")
 def vit_tp2dp2_step5(vit_reference, era5_root):
     """tp2 x dp2 stopped at step 5 of 10 (its checkpoint: tp shards as DTensors, written once per replica)."""
     _, tmp = vit_reference
-    return run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2",
-                      "trainer.stop_at_step=5")
+    # the CPU default (sequence parallelism off), which the planner predicts for gpu=cpu
+    return run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", *TP2DP2, "trainer.stop_at_step=5")
 
 
 def test_planner_predicts_the_tp2dp2_run(vit_tp2dp2_step5, era5_root):
@@ -217,7 +220,7 @@ def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_step5
     own final checkpoints hold the single-process shapes."""
     reference, tmp = vit_reference
     if layout == "tp2dp2":
-        run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2")
+        run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", *TP2DP2)
         loss, norm, val = curves(vit_tp2dp2_step5)
         assert_follows_from_step_5(reference, (loss[5:], norm[5:], val))
         return
