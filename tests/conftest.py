@@ -18,6 +18,7 @@ SLOW_TESTS = {"test_probed_meta_plan_equals_the_full_initialised_one_vit",
               "test_compiled_training_follows_eager", "test_a_nan_on_one_rank_is_handled_alike_on_every_rank",
               "test_the_tutorial_vit_is_timed_at_the_same_shape", "test_accepted_combination_follows_the_single_process_run",
               "test_refused_combination_exits_2_with_one_line", "test_table_values_are_those_of_the_events",
+              "test_a_bad_argument_is_one_line_and_status_2_before_any_work",  # its fixture trains 3 runs
               "test_out_writes_the_table_csv_and_figures", "test_a_glob_expands_sorted", "test_profile_of_steps_2_to_3",
               "test_a_rollout_logs_model_and_baselines_per_channel_and_lead",
               "test_a_rollout_under_any_layout_equals_one_process", "test_bf16_rollouts_feed_predictions_back_in_float32",
