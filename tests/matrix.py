@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass
 from functools import cache
 
-from tests.helpers import TINY_GPT
+from tests.helpers import NARROW, TINY_GPT
 from utils import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
@@ -51,9 +51,6 @@ FACTORS = {
 }
 NAMES = tuple(FACTORS)
 GLOBAL_BATCH = 16  # divisible by every dp x accumulation x microbatches of the space
-# 64 wide (head dim 16): every split of the space stays whole, and bf16/fp16 matmuls, which many CPUs run
-# without vector kernels at a tenth of fp32's speed, cost a quarter of the tiny configs' 128
-NARROW = ["model.embed_dim=64"]
 MODEL_ARGS = {
     "vit": ["trainer.global_batch_size=16", "data.limit_nsamples_val=8", "model.depth=4", *NARROW],
     "gpt": [*TINY_GPT, "data.limit_eval_tokens=2048", "trainer.global_batch_size=16", *NARROW],

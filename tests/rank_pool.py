@@ -67,13 +67,13 @@ def _worker(index: int, jobs, results) -> None:
     """A pooled rank: import the trainer once, then run jobs until told to stop (None). It dies with the test
     process (SIGKILL: a pooled rank records SIGTERM as a stop signal while it runs a trainer), so a pytest
     killed mid-run leaves no rank behind."""
-    import ctypes
     import importlib
 
     import torch
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    from utils.cli.launch import die_with_parent
+
+    die_with_parent(signal.SIGKILL)
 
     torch.set_num_threads(1)  # the pool's ranks share the cores; more threads make every collective wait
     for module in PRELOAD:

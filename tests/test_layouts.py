@@ -17,7 +17,7 @@ import re
 import pytest
 
 from distributed.collectives import ring_bytes
-from tests.helpers import QUIET, ROOT, TINY_GPT, read_scalars, read_tags
+from tests.helpers import NARROW, QUIET, ROOT, TINY_GPT, read_scalars, read_tags
 from tests.rank_pool import run_entry_ranks
 from tests.test_plan import report_of
 from utils.checkpoints.sharded_state import read_shapes
@@ -255,7 +255,7 @@ def test_mixed_precision_under_model_parallelism(mode, layout, era5_root, tmp_pa
     name = "_".join([mode, *(o.split("=")[1] for o in layout)])
     batch = ["trainer.global_batch_size=6"] if "parallel.dp_mode=fsdp" in layout else VIT
     run_dir = run_layout(tmp_path, name, batch, f"data.root={era5_root}", *layout, f"precision={mode}",
-                         "model.embed_dim=64")  # narrow: bf16/fp16 matmuls run at a tenth of fp32's speed on many CPUs
+                         *NARROW)
     loss, _, val = curves(run_dir)
     assert all(v == v for v in loss + val) and loss[-1] < loss[0]
 

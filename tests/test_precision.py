@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import run_ranks
+from tests.helpers import NARROW, run_ranks
 from utils.cli.config import load_config
 from utils.comm import ParallelConfig, init_grid
 from utils.engine.build import build_run
@@ -37,7 +37,7 @@ def workloads(era5_root, corpus_root):
 def test_every_precision_trains(workload, mode, dtype, workloads, tmp_path):
     small = ["data.img_size=[16,32]"] if workload == "vit" else []  # fp16 matmuls are slow on the CPU
     if mode in ("bf16", "fp16"):  # and so are bf16 ones without AVX-512: a tenth of fp32's speed
-        small.append("model.embed_dim=64")
+        small += NARROW
     trainer = make_trainer(tmp_path, f"precision={mode}", *workloads[workload], *small)
     with trainer.autocast():
         assert trainer.raw_model.blocks[0].mlp.fc1(torch.randn(2, trainer.raw_model.blocks[0].mlp.fc1.in_features)).dtype == dtype

@@ -80,11 +80,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """For rank processes a launcher starts (Popen preexec_fn, Linux): SIGTERM when the launcher dies, even
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """For rank processes a launcher starts (Popen preexec_fn, Linux): `sig` when the launcher dies, even
     of SIGKILL, so a rank never trains on as an orphan. A no-op where prctl is missing."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
