@@ -16,7 +16,6 @@ the plan of `Block`). What a declared attention module provides (`AttentionModul
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -75,11 +74,12 @@ class Rotary:
         between = (wavelen <= original / low) & (wavelen >= original / high)
         return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
-    def tables(self, head_dim: int, seq_len: int | None = None, offset: int = 0):
+    def tables(self, head_dim: int, seq_len: int | None = None, offset: int = 0,
+               device: torch.device | None = None):
         """cos/sin tables (N, head_dim/2) of positions offset .. offset+N-1 (N = `positions` by default)."""
         seq_len = self.positions if seq_len is None else seq_len
-        pos = torch.arange(offset, offset + seq_len, dtype=torch.float32)
-        angles = torch.outer(pos, self.inv_freq(head_dim))
+        pos = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
+        angles = torch.outer(pos, self.inv_freq(head_dim).to(pos.device))
         return angles.cos(), angles.sin()
 
 
@@ -114,14 +114,21 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.q_per_group = num_heads // num_kv_heads
         self.rotary = rotary is not None
+        self.rotary_spec = rotary
         if self.rotary:
-            cos, sin = rotary.tables(self.head_dim)
-            self.register_buffer("rotary_cos", cos, persistent=False)  # (max_positions, head_dim/2)
-            self.register_buffer("rotary_sin", sin, persistent=False)
+            self.register_buffer("rotary_cos", None, persistent=False)  # (max_positions, head_dim/2)
+            self.register_buffer("rotary_sin", None, persistent=False)
+            self.init_buffers()
         self.qkv = nn.Linear(dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)
         self.attend = ScaledDotProductAttention(causal, dropout)
         self.proj = nn.Linear(dim, dim, bias=bias)
         self.positions = None  # context parallelism: the token layout (see the module docstring)
+
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """(Re)compute the rotary tables on `device` (default: the default device; the build calls it again
+        on the rank's device once a meta-built model is allocated, utils/engine/materialize.py)."""
+        if self.rotary:
+            self.rotary_cos, self.rotary_sin = self.rotary_spec.tables(self.head_dim, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.q_per_group
@@ -200,22 +207,3 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.drop(self.attn(self.norm1(x)))
         return x + self.mlp(self.norm2(x))
-
-
-def init_weights(module: nn.Module, std: float = 0.02, num_layers: int = 1, residual: Iterable[nn.Module] = ()) -> None:
-    """Truncated-normal linears, unit norms. The `residual` linears (a model's declared residual-stream
-    projections, `ParallelPlan.residual_projections`) get their std scaled by 1/sqrt(2 x num_layers) (GPT-2)."""
-    residual = set(residual)
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            scale = 1.0 / math.sqrt(2 * num_layers) if m in residual else 1.0
-            nn.init.trunc_normal_(m.weight, std=std * scale, a=-2 * std, b=2 * std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.RMSNorm):
-            nn.init.ones_(m.weight)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=std)

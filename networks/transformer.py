@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
-from networks.blocks import MLPS, NORMS, Block, Rotary, SequenceRegion, init_weights, make_norm
+from networks.blocks import MLPS, NORMS, Block, Rotary, SequenceRegion, make_norm
+from networks.initialization import Init, initialize, linear_rules
 from networks.parallel_plan import BLOCK, ParallelPlan
 from utils import require
 
@@ -191,10 +191,7 @@ class GPT(nn.Module):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.padded_vocab = padded_vocab_size(vocab_size, cfg.vocab_multiple)
         d = cfg.embed_dim
-        # Vocabulary-sized weights skip torch's default init: its random stream would depend on the
-        # padded size. init_parameters fills them (and re-initializes everything else) in a fixed order.
-        device = torch.get_default_device()
-        self.tok_embed = skip_init(nn.Embedding, self.padded_vocab, d, device=device)
+        self.tok_embed = nn.Embedding(self.padded_vocab, d)
         self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.positions == "learned" else None
         self.embed_drop = nn.Dropout(cfg.dropout)
         self.enter_seq = SequenceRegion("enter")
@@ -203,40 +200,29 @@ class GPT(nn.Module):
                   num_kv_heads=cfg.kv_heads, norm=cfg.norm, mlp=cfg.mlp, mlp_hidden=cfg.hidden, norm_eps=cfg.norm_eps)
             for _ in range(cfg.depth))
         self.norm = make_norm(cfg.norm, d, cfg.norm_eps)
-        self.lm_head = skip_init(nn.Linear, d, self.padded_vocab, bias=False, device=device)
+        self.lm_head = nn.Linear(d, self.padded_vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
         self.criterion = CausalLMLoss(vocab_size)
-        self.init_parameters()
+        if not self.tok_embed.weight.is_meta:  # a meta build is initialised shard by shard (utils/engine/materialize.py)
+            initialize(self, torch.initial_seed())
 
-    @torch.no_grad()
-    def init_parameters(self) -> None:
-        """Initialize in a fixed order whose random stream does not depend on the vocabulary padding:
-        real token rows, position table, blocks, then (untied) head rows; padded rows are zero.
-
-        Called by the constructor; call it again after materializing a meta-device model (`to_empty`)
-        with the same seed to get the same weights.
-        """
-        std = self.cfg.init_std
-        self._init_vocab_rows(self.tok_embed.weight, lambda w: nn.init.normal_(w, std=std))
-        if self.pos_embed is not None:
-            nn.init.normal_(self.pos_embed.weight, std=std)
-        init_weights(self.blocks, std, self.cfg.depth, residual=self.parallel_plan().residual_projections(self))
-        init_weights(self.norm)
-        if not self.cfg.tie_embeddings:
-            self._init_vocab_rows(self.lm_head.weight,
-                                  lambda w: nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std))
+    def init_rules(self) -> dict[str, Init]:
+        """How every parameter starts (networks/initialization.py): normal token rows (padded rows zero) and
+        position table, the blocks' truncated-normal linears (residual projections scaled by 1/sqrt(2 x depth))
+        and unit norms, a truncated-normal head over the real vocabulary, or the embedding's values when tied
+        (a pipeline's last stage holds the tied head apart: it draws the embedding's stream)."""
+        std, vocab = self.cfg.init_std, self.vocab_size
+        rules = linear_rules(self, std, self.cfg.depth, self.parallel_plan().residual_projections(self))
+        rules["tok_embed.weight"] = Init("normal", std, valid_rows=vocab)
+        rules["lm_head.weight"] = Init("normal", std, vocab, key="tok_embed.weight") if self.cfg.tie_embeddings \
+            else Init("trunc_normal", std, valid_rows=vocab)
+        return rules
 
     def parallel_plan(self) -> ParallelPlan:
         """The blocks' roles; the final norm on sequence shards; vocabulary-parallel embedding, head and loss."""
         return ParallelPlan(block=BLOCK, norms=("norm",), replicated=("pos_embed",), vocab_embedding="tok_embed",
                             vocab_head="lm_head", pipeline_ends=self.PIPELINE_ENDS)
-
-    def _init_vocab_rows(self, weight: torch.Tensor, fill) -> None:
-        real = torch.empty(self.vocab_size, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        fill(real)
-        weight.zero_()
-        weight[:self.vocab_size].copy_(real)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from networks.blocks import Block, SequenceRegion, init_weights
+from networks.blocks import Block, SequenceRegion
+from networks.initialization import Init, initialize, linear_rules
 from networks.parallel_plan import BLOCK, ParallelPlan
 from utils import require
 
@@ -82,8 +83,15 @@ class ViT(nn.Module):
         self.head = nn.Linear(cfg.embed_dim, out_channels * p * p)
         self.gather_out = SequenceRegion("output")
         self.criterion = RelativeL2Loss()  # the seed's relative L2 loss, used by the trainer
-        init_weights(self, cfg.init_std, cfg.depth, residual=self.parallel_plan().residual_projections(self))
-        nn.init.trunc_normal_(self.pos_embed, std=cfg.init_std, a=-2 * cfg.init_std, b=2 * cfg.init_std)
+        if not self.pos_embed.is_meta:  # a meta build is initialised shard by shard (utils/engine/materialize.py)
+            initialize(self, torch.initial_seed())
+
+    def init_rules(self) -> dict[str, Init]:
+        """How every parameter starts (networks/initialization.py): truncated-normal linears (the residual
+        projections scaled by 1/sqrt(2 x depth)), unit norms, a truncated-normal position table."""
+        std = self.cfg.init_std
+        rules = linear_rules(self, std, self.cfg.depth, self.parallel_plan().residual_projections(self))
+        return rules | {"pos_embed": Init("trunc_normal", std)}
 
     def parallel_plan(self) -> ParallelPlan:
         """The blocks' roles; the final norm on sequence shards; embeddings and head stay whole (the head runs

@@ -24,7 +24,8 @@ from torch import nn
 from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import sync_partial_grads
 from distributed.tensor.parallelize import parallelize
-from networks.blocks import Attention, ScaledDotProductAttention, init_weights
+from networks.blocks import Attention, ScaledDotProductAttention
+from networks.initialization import initialize
 from networks.parallel_plan import BLOCK, check_followed
 import networks.transformer
 from networks.transformer import GPT, GPTConfig
@@ -69,22 +70,6 @@ def test_plan_covers_every_layer_in_the_blocks(name):
     check_followed(model, plan, "parallel.tp=2")  # every weight outside the blocks is declared too
 
 
-def _old_init_weights(module: nn.Module, std: float = 0.02, num_layers: int = 1, residual=()) -> None:
-    """The rule before the plan: the scaled output projections found by their name suffix, the rest as now."""
-    by_name = [m for name, m in module.named_modules() if name.endswith(("attn.proj", "mlp.fc2"))]
-    init_weights(module, std, num_layers, residual=by_name)
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_initial_weights_equal_the_name_rule(name, monkeypatch):
-    """Bit-identical to the weights of the former rule, which found the scaled linears by their name suffix."""
-    new = MODELS[name]().state_dict()
-    monkeypatch.setattr(networks.vit, "init_weights", _old_init_weights)
-    monkeypatch.setattr(networks.transformer, "init_weights", _old_init_weights)
-    old = MODELS[name]().state_dict()
-    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
-
-
 class RenamedAttention(nn.Module):
     """Another attention class (not networks.blocks.Attention) with other names for its projections: its
     fused `wqkv` keeps the (head, {q,k,v}, head_dim) order, `wo` projects back into the residual stream."""
@@ -116,8 +101,8 @@ def test_residual_projections_follow_the_plan():
     model = renamed_vit()
     residual = model.parallel_plan().residual_projections(model)
     assert residual == [m for b in model.blocks for m in (b.attn.wo, b.mlp.fc2)]
-    torch.manual_seed(0)
-    networks.vit.init_weights(model, 1.0, 50, residual=residual)
+    model.cfg = dataclasses.replace(model.cfg, init_std=1.0, depth=50)  # the scale 1/sqrt(2 x 50) = 0.1
+    initialize(model, seed=0)  # from the model's own init_rules(), which read the plan
     for block in model.blocks:  # std 1/sqrt(2 x 50) = 0.1 against 1 (truncated at +-2)
         assert block.attn.wo.weight.std() < 0.2 < 0.8 < block.attn.wqkv.weight.std()
 

@@ -232,12 +232,17 @@ class GroupedQKVParallelLinear(TensorParallelLayer):
         self.q_local = q_per_group // share  # query heads this rank computes
         group, part = divmod(axis.rank, share)
         base = group * (q_per_group + 2) * head_dim
-        q_rows = torch.arange(part * self.q_local * head_dim, (part + 1) * self.q_local * head_dim)
-        kv_rows = torch.arange(q_per_group * head_dim, (q_per_group + 2) * head_dim)
-        self.register_buffer("rows", base + torch.cat([q_rows, kv_rows]).to(linear.weight.device), persistent=False)
+        self.row_ranges = ((base + part * self.q_local * head_dim, base + (part + 1) * self.q_local * head_dim),
+                           (base + q_per_group * head_dim, base + (q_per_group + 2) * head_dim))  # q, then k and v
+        self.register_buffer("rows", None, persistent=False)
+        self.init_buffers(linear.weight.device)
         self.weight = nn.Parameter(linear.weight.detach().clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
         self.partial_grad_axes = (axis,)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """The rows of the fused weight this rank computes (an index buffer on the weight's device)."""
+        self.rows = torch.cat([torch.arange(*r, device=device) for r in self.row_ranges])
 
     def partial_grad_params(self) -> list[nn.Parameter]:
         return [p for p in (self.weight, self.bias) if p is not None]

@@ -44,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from distributed.collectives import all_gather, split_sizes
+from distributed.placement import parameter_names, shard_layout
 from utils.comm import AxisGroup, Grid
 
 # DCP warns that it assumes one process when torch.distributed is not initialized: here that is meant
@@ -83,18 +84,6 @@ def _fsdp_part(axis: AxisGroup) -> Callable[[torch.Tensor], torch.Tensor]:
         chunks = full.chunk(axis.size)
         return chunks[axis.rank] if axis.rank < len(chunks) else full[:0]
     return part
-
-
-def shard_layout(model: nn.Module) -> dict[int, tuple[AxisGroup, int, int]]:
-    """id(parameter) -> (axis, split dim, full size of that dim) for every tensor-parallel parameter."""
-    layout = {}
-    for module in model.modules():
-        for name in getattr(module, "sharded_params", ()):
-            param, axis, dim = getattr(module, name), module.shard_axis, module.shard_dims[name]
-            if axis.size > 1:
-                full = getattr(module, "full_shapes", {}).get(name)
-                layout[id(param)] = (axis, dim, full[dim] if full else param.shape[dim] * axis.size)
-    return layout
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -159,15 +148,6 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
             for entry, value in optimizer.state[param].items():
                 add(f"optim/{name}/{entry}", value, param)
     return view
-
-
-def parameter_names(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Every parameter under its state-dict name, the single-process name the model keys use: wrappers
-    that add a level to `named_parameters()` (activation checkpointing's `_checkpoint_wrapped_module.`,
-    compile's `_orig_mod.`) strip it from state-dict keys, so the optimizer state is named like the model
-    whatever the wrappers (a checkpoint then resumes with them toggled and under any layout). Tied
-    weights keep both names."""
-    return {name: t for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, nn.Parameter)}
 
 
 def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ as is, with random batches instead of loaders.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +36,7 @@ from utils.comm import Axis, Grid, background_group, batch_parts, check_grid, in
 from utils.data.batching import build_loaders, check_batch
 from utils.engine.flops import mfu_absence, training_flops_per_sample
 from utils.engine.logger import hparam_values, setup_logging
+from utils.engine.materialize import materialize
 from utils.engine.optim import build_optimizer, build_scheduler
 from utils.engine.precision import autocast, configure_matmul, grad_scaler, precision_notice
 from utils.engine.preemption import StopRequest
@@ -54,15 +54,16 @@ class BuiltModel:
 
 
 def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltModel:
-    """Full weights from the seed (identical on every rank and layout), then this rank's stages and shards.
+    """This rank's stages and shards of the model, never the whole model (utils/engine/materialize.py).
 
-    values=False (the planner): the serial model built on the meta device (shapes, no memory, no init),
-    its shards cut there (the parallel layers follow their serial weights' device), then only this rank's
-    parts allocated on grid.device without values (`allocate_empty`). Every shape, dtype, tie and collective
-    is the real model's; no value is."""
-    torch.manual_seed(cfg.trainer.seed)
-    with contextlib.nullcontext() if values else torch.device("meta"):
-        model = task.build_model()  # full serial weights on CPU (values=False: on meta; shards follow)
+    The serial model is built on the meta device (shapes, ties, no memory), cut for this pipeline rank,
+    parallelized over tp and cp and sharded by FSDP there; then this rank allocates only what it holds on
+    grid.device and computes its values from `trainer.seed` and each parameter's name (the same full
+    weights under every layout). values=False (the planner): allocated without values. Every shape,
+    dtype, tie and collective is the real model's either way."""
+    with torch.device("meta"):
+        model = task.build_model()  # the serial model's shapes: no memory, no values
+    rules = model.init_rules() if values else None
     flops = flops_per_sample(cfg, task, model)  # before sharding
     plan = pipeline_plan(cfg) if grid.size(Axis.PP) > 1 else None
     if plan is not None:
@@ -71,41 +72,20 @@ def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltM
     model = parallelize(model, grid=grid, sequence_parallel=sequence_parallel,
                         keep_gathered=cfg.parallel.sp_keep_gathered)
     model = parallelize_context(model, grid=grid, variant=cfg.parallel.cp_attention)
-    if values:
-        model.to(grid.device)
-    else:
-        allocate_empty(model, grid.device)
     if cfg.trainer.activation_checkpointing or cfg.precision.compile:
         wrap_blocks(model, checkpoint=cfg.trainer.activation_checkpointing, compile=cfg.precision.compile)
-    # The stream dropout draws from: fixed by the seed after setup (which draws differently per layout),
-    # distinct per data-parallel replica and pipeline rank. Tensor-parallel ranks share it; dropouts on
-    # tp-sharded activations fork a stream per shard from it (distributed/rng.py).
-    seed_default_stream(cfg.trainer.seed, grid)
     if cfg.parallel.dp_mode == "fsdp":
         model = shard_data_parallel(model, grid=grid, pipeline=plan is not None,
                                     reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
-        if plan is None:
-            return BuiltModel(model, model, flops)
+    materialize(model, grid.device, rules=rules, seed=cfg.trainer.seed)
+    # The stream dropout draws from: fixed by the seed after setup, distinct per data-parallel replica and
+    # pipeline rank. Tensor-parallel ranks share it; dropouts on tp-sharded activations fork a stream per
+    # shard from it (distributed/rng.py).
+    seed_default_stream(cfg.trainer.seed, grid)
     if plan is None:
-        return BuiltModel(wrap_data_parallel(model, grid=grid), model, flops)
+        wrapped = model if cfg.parallel.dp_mode == "fsdp" else wrap_data_parallel(model, grid=grid)
+        return BuiltModel(wrapped, model, flops)
     return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
-
-
-def allocate_empty(model: nn.Module, device: torch.device) -> None:
-    """Meta parameters and buffers of `model` allocated on `device` without values, buffers zeroed (an index
-    buffer stays in range). Unlike Module.to_empty, a tensor shared by several modules (a tied head and
-    embedding) stays one tensor."""
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            for name, t in tensors.items():
-                if t is None:
-                    continue
-                if id(t) not in made:
-                    empty = torch.empty_like(t, device=device)
-                    is_param = isinstance(t, nn.Parameter)
-                    made[id(t)] = nn.Parameter(empty, t.requires_grad) if is_param else empty.zero_()
-                tensors[name] = made[id(t)]
 
 
 def flops_per_sample(cfg: Config, task, model: nn.Module) -> float:
