@@ -4,9 +4,10 @@
   (rows across several blocks, columns, 1-D and 3-D tensors) and every distribution; the vocabulary
   padding changes no real row; the distributions are the models' (std, truncation, the residual scaling).
 - Built under a layout (tp, FSDP, pp, their products, grouped K/V replicated over tp, uneven FSDP chunks,
-  a tied head held apart by the last pipeline stage), the model's checkpoint (written by DCP from each rank's
-  pieces) holds exactly the weights of the one-process model built on the CPU, and no rank allocated a whole
-  tensor it does not hold (its parameters' bytes are its share).
+  a tied head held apart by the last pipeline stage, or shared), the model's checkpoint (written by DCP from each rank's
+  pieces) holds exactly the weights of the one-process model built on the CPU, each rank's model shares
+  parameters where the serial one does (a tied head stays one tensor), and no rank allocated a whole tensor
+  it does not hold (its parameters' bytes are its share).
 """
 
 from __future__ import annotations
@@ -71,14 +72,15 @@ LAYOUTS = {
     "pp2_tp2": ("parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=gpipe"),
     "pp2_fsdp2": ("parallel.pp=2", "parallel.dp_mode=fsdp", "parallel.pp_schedule=gpipe"),
     "fsdp4": ("parallel.dp_mode=fsdp",),
-    "tp4": ("parallel.tp=4",),  # llama_tiny: 2 key/value heads, so the fused QKV is replicated over tp
+    "tp4": ("parallel.tp=4",),
+    "tp2_dp2": ("parallel.tp=2",),  # DDP replicas  # llama_tiny: 2 key/value heads, so the fused QKV is replicated over tp
 }
 MODELS = {
     "gpt": [*TINY_GPT, *NARROW, "model.depth=2"],  # tied head: the last stage draws the embedding's stream
     "llama": ["model=llama_tiny", *TINY_GPT[1:], *NARROW, "model.depth=2", "model.vocab_multiple=48"],
     "vit": [*NARROW, "model.depth=2"],  # 1-row position table: empty FSDP chunks on three of four ranks
 }
-CASES = [("gpt", "tp2_fsdp2"), ("gpt", "pp2_tp2"), ("gpt", "pp2_fsdp2"), ("llama", "tp4"), ("llama", "pp2_fsdp2"),
+CASES = [("gpt", "tp2_fsdp2"), ("gpt", "tp2_dp2"), ("gpt", "pp2_tp2"), ("gpt", "pp2_fsdp2"), ("llama", "tp4"), ("llama", "pp2_fsdp2"),
          ("vit", "fsdp4"), ("vit", "pp2_tp2")]
 
 
@@ -86,7 +88,7 @@ def _build_and_save(rank: int, world_size: int, argv: list[str], folder: str) ->
     """This rank's build, written as a checkpoint; it holds a share of the model's parameters."""
     from pathlib import Path
 
-    from distributed.placement import local_pieces
+    from distributed.placement import local_pieces, parameter_names
     from utils.checkpoints.sharded_state import checkpoint_view, save_state
     from utils.cli.config import load_config
     from utils.comm import init_grid
@@ -100,6 +102,8 @@ def _build_and_save(rank: int, world_size: int, argv: list[str], folder: str) ->
     save_state(checkpoint_view(model, None, grid, for_load=False).tensors, Path(folder), grid.world)
     with torch.device("meta"):
         serial = task.build_model()
+    held = set(parameter_names(model))  # the serial model's ties among the names this rank holds, no other
+    assert ties(model) == {names & held for names in ties(serial) if len(names & held) > 1}, ties(model)
     # Each rank holds a share (4 ranks: at most 0.6 of the whole), of the blocks under every layout; under pp x
     # FSDP the stages' ends (embeddings, head) stay replicated over dp (distributed/fsdp.py)
     ends_replicated = cfg.parallel.pp > 1 and cfg.parallel.dp_mode == "fsdp"
@@ -107,6 +111,16 @@ def _build_and_save(rank: int, world_size: int, argv: list[str], folder: str) ->
         total = sum(p.numel() for name, p in serial.named_parameters() if name.startswith(part))
         held = sum(p.local.numel() for p in local_pieces(model) if p.name.startswith(part))
         assert held <= 0.6 * total, f"rank {rank} holds {held} of the model's {total} parameters ({part!r})"
+
+
+def ties(model: torch.nn.Module) -> set[frozenset[str]]:
+    """The names that share one parameter (a tied head and embedding), as groups of two or more."""
+    from distributed.placement import parameter_names
+
+    groups: dict[int, set[str]] = {}
+    for name, param in parameter_names(model).items():
+        groups.setdefault(id(param), set()).add(name)
+    return {frozenset(names) for names in groups.values() if len(names) > 1}
 
 
 @pytest.mark.parametrize("model,layout", CASES, ids=[f"{m}-{layout}" for m, layout in CASES])

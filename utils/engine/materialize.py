@@ -25,7 +25,15 @@ def materialize(model: nn.Module, device: torch.device, *, rules: dict[str, Init
     """Allocate the meta parameters of `model` (this rank's parts) on `device` and fill them from `rules`
     for `seed` (None: allocated without values, for the planner); buffers computed on `device`."""
     buffers = {(id(m), name): b for m in model.modules() for name, b in m._buffers.items() if b is not None}
-    model.to_empty(device=device)  # ties kept (one Parameter object), FSDP2's shards re-registered by its _apply
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter -> the modules holding it (a tied head)
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((m, name))
+    model.to_empty(device=device)  # FSDP2's shards re-registered by its _apply
+    for (first, name), *others in holders.values():  # to_empty gives each holder of a plain tensor its own
+        for module, other in others:
+            module._parameters[other] = first._parameters[name]
     for module in model.modules():
         stale = []  # meta buffers: computed ones, which the module recomputes
         for name in module._buffers:
