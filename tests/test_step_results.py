@@ -35,7 +35,7 @@ def _forbid_reads(monkeypatch) -> None:
 def test_step_results_arrive_lag_steps_late_in_order():
     results = StepResults(torch.device("cpu"), lag=1)
     for step in (1, 2, 3):
-        results.push(StepResult(step, 1e-3, 0.0, 0.0), torch.tensor([step / 10, 2.0, float(step == 2), 0.0]))
+        results.push(StepResult(step, 1e-3, 0.0, 0.0), torch.tensor([step / 10, 2.0, float(step == 2), 0.0, 1.5]))
         due = results.pop()
         assert [r.step for r in due] == ([] if step == 1 else [step - 1])
     assert [(r.step, r.loss, r.bad) for r in results.pop(flush=True)] == [(3, pytest.approx(0.3), False)]

@@ -39,7 +39,7 @@ from utils.cli.launch import launch_env
 from utils.comm import Axis, destroy_grid, init_grid
 from utils.engine.build import build_trainer
 from utils.engine.flops import device_name
-from utils.engine.trainer import peak_memory_gib
+from utils.engine.memory import peak_memory_gib
 from utils.tasks import build_task
 
 HEADER = ("| date | device | model | precision | compile | layout | global batch | samples/s | tokens/s "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from distributed.block_wrappers import wrap_blocks
 from distributed.context.parallelize import parallelize_context
@@ -23,12 +24,14 @@ from distributed.fsdp import param_groups, shard_data_parallel
 from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stage_plan import PipelinePlan, resolve_plan
 from distributed.pipeline.stages import build_stages, cut_for_rank
+from distributed.placement import local_pieces
 from distributed.rng import seed_default_stream
 from distributed.tensor.parallelize import parallelize, sequence_parallel_notice, sequence_parallel_on
 from utils import require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
-from utils.checkpoints.sharded_state import checkpoint_view, fill_from_full, load_state, read_shapes
+from utils.checkpoints.hf_stream import read_pieces
+from utils.checkpoints.sharded_state import checkpoint_view, load_state, read_shapes
 from utils.cli.config import Config
 from utils.cli.launch import restart_warning
 from utils.cli.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for, write_layout, write_task
@@ -37,6 +40,7 @@ from utils.data.batching import build_loaders, check_batch
 from utils.engine.flops import mfu_absence, training_flops_per_sample
 from utils.engine.logger import hparam_values, setup_logging
 from utils.engine.materialize import materialize
+from utils.engine.memory import reset_host_peak
 from utils.engine.optim import build_optimizer, build_scheduler
 from utils.engine.precision import autocast, configure_matmul, grad_scaler, precision_notice
 from utils.engine.preemption import StopRequest
@@ -138,6 +142,7 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
     Stop signals are recorded from the first line on (a notice ahead of a time limit can arrive during a
     long checkpoint load or data preparation); the trainer's `fit` acts on them before its first step."""
     request = StopRequest(cfg.trainer.preempt_deadline_s).__enter__()
+    reset_host_peak()  # the run's own high-water mark (utils/engine/memory.py)
     try:
         sizes = check_grid(cfg.parallel)  # the one resolution of the axis sizes for this launch
         task = build_task(cfg)  # inspects the data: every data error is raised before distributed work
@@ -179,12 +184,15 @@ def check_init_from(folder: Path, cfg: Config, task) -> None:
 
 def init_weights_from(trainer: Trainer, folder: Path) -> None:
     """Fine-tuning: this rank's model weights from a checkpoint of any layout (resharded by DCP, as a resume),
-    or from a Hugging Face folder (each rank reads the files and keeps its part)."""
-    view = checkpoint_view(trainer.raw_model, None, trainer.grid, for_load=True)
+    or from a Hugging Face folder (each rank reads only the rows and columns of the pieces it holds:
+    utils/checkpoints/hf_stream.py)."""
     if (folder / "config.json").is_file():
-        state = hf.import_state(folder, trainer.cfg.model, trainer.task.vocab_size)
-        fill_from_full(view, {f"model/{k}": v for k, v in state.items()})
+        for module in trainer.raw_model.modules():  # FSDP's sharded parameters, the pieces local_pieces describes
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        read_pieces(folder, trainer.cfg.model, trainer.task.vocab_size, local_pieces(trainer.raw_model))
     else:
+        view = checkpoint_view(trainer.raw_model, None, trainer.grid, for_load=True)
         with torch.device("meta"):  # the whole model's names and shapes (a pipeline rank's view holds its stages')
             serial = trainer.task.build_model()
         wanted = {f"model/{k}": tuple(t.shape) for k, t in serial.state_dict().items()}
@@ -208,8 +216,10 @@ def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: P
     scaler = grad_scaler(cfg.precision.mode, grid.device, grid.world)
     background = background_group(grid) if cfg.trainer.ckpt_async else None
     checkpointer = Checkpointer(run_dir, grid.world, cfg.trainer.ckpt_keep, background)
-    return Trainer(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer, scheduler=scheduler,
-                   scaler=scaler, checkpointer=checkpointer, run_dir=run_dir, log=log)
+    trainer = Trainer(cfg=cfg, grid=grid, task=task, built=built, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, checkpointer=checkpointer, run_dir=run_dir, log=log)
+    trainer.memory.mark("build")
+    return trainer
 
 
 def start_run(trainer: Trainer, config_yaml: str) -> None:
@@ -221,6 +231,8 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
         trainer.restore(*state)
     elif cfg.trainer.init_from:
         init_weights_from(trainer, Path(cfg.trainer.init_from))
+    if state is not None or cfg.trainer.init_from:
+        trainer.memory.mark("load")
     trainer.loaders = build_loaders(task.train_set, task.val_set, global_batch_size=cfg.trainer.global_batch_size,
                                     dp_rank=batch.rank, dp_size=batch.size, seed=cfg.trainer.seed,
                                     start_step=trainer.step, num_workers=cfg.trainer.num_workers,

@@ -1,11 +1,12 @@
 """What the host learns of a training step, read without waiting for the step in flight.
 
-A step ends on the device with four scalars: the global-batch loss, the gradient norm, and the two
-verdicts every rank agreed on (a non-finite value somewhere, a stop signal somewhere). The host needs
+A step ends on the device with five scalars: the global-batch loss, the gradient norm, the two verdicts
+every rank agreed on (a non-finite value somewhere, a stop signal somewhere) and, agreed with them, the
+largest rank's peak host memory. The host needs
 them to log and to decide whether to stop, but reading a device tensor (`.item()`) waits for all work
 queued before it, which on a GPU drains the queue every step.
 
-`StepResults` copies the four scalars to pinned host memory with one asynchronous copy and an event,
+`StepResults` copies the five scalars to pinned host memory with one asynchronous copy and an event,
 and hands a step's results back `lag` steps later: on CUDA `lag=1`, so the host reads step N-1's
 scalars after it has queued step N (the wait is for a step already finished or finishing, and the
 device stays busy); on the CPU everything is synchronous and `lag=0`. The lag depends only on the device
@@ -40,6 +41,7 @@ class StepResult:
     grad_norm: float = float("nan")
     bad: bool = False  # a non-finite loss or gradient norm on some rank
     stop: bool = False  # some rank had a stop signal when the step began
+    host_peak_gib: float = 0.0  # the largest rank's peak resident host memory by the step's backward
     step_time_s: float = 0.0  # from the step's start (or the previous result's read, if later) to its read
 
 
@@ -53,7 +55,8 @@ class StepResults:
         self.last_read = 0.0
 
     def push(self, result: StepResult, scalars: torch.Tensor) -> None:
-        """Start copying `scalars` = [loss, grad_norm, bad, stop] (device, any float dtype) to the host."""
+        """Start copying `scalars` = [loss, grad_norm, bad, stop, host peak GiB] (device, any float dtype) to
+        the host."""
         scalars = scalars.detach().float()
         if self.device.type == "cuda":
             host = torch.empty(scalars.shape, dtype=torch.float32, pin_memory=True)
@@ -72,7 +75,7 @@ class StepResults:
             result, host, event = self.pending.popleft()
             if event is not None:
                 event.synchronize()
-            result.loss, result.grad_norm, bad, stop = host.tolist()
+            result.loss, result.grad_norm, bad, stop, result.host_peak_gib = host.tolist()
             result.bad, result.stop = bad > 0, stop > 0
             now = time.perf_counter()
             result.step_time_s = now - max(result.started, self.last_read)

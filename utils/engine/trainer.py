@@ -23,18 +23,13 @@ from utils.comm import Grid
 from utils.data.batching import Loaders, SharedBatches
 from utils.engine.flops import mfu, tflops_per_device
 from utils.engine.logger import Progress, TensorBoard
+from utils.engine.memory import MemoryLedger, host_peak_gib, peak_memory_gib
 from utils.engine.optim import build_scheduler
 from utils.engine.precision import autocast
 from utils.engine.preemption import EXIT_PREEMPTED, StopRequest
 from utils.engine.profiling import StepProfiler
 from utils.engine.step_results import StepResult, StepResults
 from utils.engine.watchdog import StepWatchdog
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
 
 
 class Trainer:
@@ -61,7 +56,9 @@ class Trainer:
         self.skipped_steps, self.consecutive_skips = 0, 0  # trainer.nonfinite=skip
         self.stop_requested = False  # a stop signal on this rank when the next step begins
         self.stop_request: StopRequest | None = None  # the handlers build_run installed, for fit to act on
-        self.flags = torch.zeros(2, device=self.device)  # the last step's agreed [non-finite, stop] (0/1, device)
+        # the last step's agreed [non-finite, stop] (0/1) and the largest rank's peak host memory (GiB), on the device
+        self.flags = torch.zeros(3, device=self.device)
+        self.memory = MemoryLedger(self.device)  # this rank's high-water marks by phase (utils/engine/memory.py)
         self.results = StepResults(self.device)  # step scalars on their way to the host (utils/engine/step_results.py)
         self.watchdog = StepWatchdog(0, run_dir, grid.global_rank)  # off outside fit (e.g. the benchmark)
         self.profiler = StepProfiler(self.tc, run_dir, grid.global_rank, grid.is_main, self.device, log)
@@ -77,7 +74,9 @@ class Trainer:
                 "scaler": self.scaler.state_dict()}
         background = self.tc.ckpt_async if background is None else background
         self.background_save_done(wait=True)  # one save in flight
-        return self.checkpointer.save(self.step, view.tensors, meta, background)
+        path = self.checkpointer.save(self.step, view.tensors, meta, background)
+        self.memory.mark("checkpoint save")
+        return path
 
     def background_save_done(self, wait: bool) -> None:
         """Publish a background save that completed (`wait`: wait for it), and say so."""
@@ -158,12 +157,14 @@ class Trainer:
         return total
 
     def agree_on_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """[non-finite loss or grad norm, stop requested] max-reduced over all ranks (a device tensor), so
-        every rank takes the same branch: a rank's replicated gradients are its own (one NaN there must not
-        make that rank skip while the others step), and ranks may see a stop signal at different steps."""
+        """[non-finite loss or grad norm, stop requested, peak host memory] max-reduced over all ranks (a device
+        tensor), so every rank takes the same branch: a rank's replicated gradients are its own (one NaN there
+        must not make that rank skip while the others step), and ranks may see a stop signal at different
+        steps. The largest rank's host memory rides along (mem/host_peak_gib)."""
         bad = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float()
         stop = torch.full((), float(self.stop_requested), device=self.device)  # a fill, not a host copy
-        return all_reduce_(torch.stack([bad, stop]), self.grid.world, "max")
+        host = torch.full((), host_peak_gib(), device=self.device)
+        return all_reduce_(torch.stack([bad, stop, host]), self.grid.world, "max")
 
     def step_optimizer(self, bad: torch.Tensor) -> None:
         """The update, skipped on every rank when `bad` (0/1 on the device) is set, without reading it: fused
@@ -253,6 +254,9 @@ class Trainer:
             self.background_save_done(wait=False)
         self.watchdog.phase("checkpoint")
         self.background_save_done(wait=True)
+        figures = self.memory.gather(self.grid.world)
+        if self.grid.is_main:
+            self.log.info(self.memory.write(self.run_dir, figures))
         self.tb.close(finished=self.step == self.tc.max_steps)
         return 0
 
@@ -295,6 +299,7 @@ class Trainer:
         self.watchdog.phase("forward/backward")
         loss, grad_norm = self.train_step(x, y)
         self.step += 1
+        self.memory.mark("first step")
         if counted:  # the agreement's bytes are part of the step's figures
             result.comm_bytes = self.grid.comm_bytes()
         self.results.push(result, torch.stack([loss.float(), grad_norm.float(), *self.flags]))
@@ -342,7 +347,8 @@ class Trainer:
         values = {"train/loss": result.loss, "train/lr": result.lr, "train/grad_norm": result.grad_norm,
                   "train/skipped_steps": self.skipped_steps, "data/shared_bytes": result.shared_bytes,
                   "perf/step_time_ms": 1e3 * result.step_time_s, "perf/data_wait_ms": 1e3 * result.data_wait_s,
-                  **self.throughput(result.step_time_s), "mem/peak_gib": peak_memory_gib(self.device)}
+                  **self.throughput(result.step_time_s), "mem/peak_gib": peak_memory_gib(self.device),
+                  "mem/host_peak_gib": result.host_peak_gib}
         values.update({f"comm/{axis}_bytes": float(n) for axis, n in result.comm_bytes.items()})
         if self.pipeline is not None:  # measured idle fraction of the schedule's steps, and the theory's
             values["perf/pp_bubble"] = self.pipeline.bubble

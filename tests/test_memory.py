@@ -1,0 +1,67 @@
+"""Memory as a result (utils/engine/memory.py): every rank's host high-water marks by phase in memory.json,
+the largest rank's in the log and in TensorBoard's mem/host_peak_gib.
+
+The marks start at the run (utils/engine/memory.py `reset_host_peak`: the test's pooled ranks ran other cases
+before). A rank made to hold 256 MiB more than the others (a ballast allocated and touched on rank 1 before
+the run) must show up: its marks exceed the other rank's by about that much at every phase, the log names
+it as the largest, and mem/host_peak_gib (agreed by the step's max all-reduce) is its figure, not rank 0's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import NARROW, QUIET, read_scalars
+
+BALLAST_MIB = 256
+
+
+def _entry_with_ballast(rank: int, world: int, argv: list[str]) -> int:
+    """train.py on a pooled rank; rank 1 first allocates and touches BALLAST_MIB it keeps to the end."""
+    import torch
+
+    from tests.rank_pool import _entry
+
+    ballast = torch.ones(BALLAST_MIB * 2**18) if rank == 1 else None  # float32: 4 bytes each
+    try:
+        return _entry(rank, world, argv)
+    finally:
+        del ballast
+
+
+@pytest.fixture(scope="module")
+def ballast_run(tmp_path_factory, era5_root):
+    """A dp2 run of 2 steps with a checkpoint, rank 1 carrying BALLAST_MIB more resident memory."""
+    from tests.rank_pool import pool
+
+    run_dir = tmp_path_factory.mktemp("memory") / "run"
+    argv = [*QUIET, *NARROW, "model.depth=1", f"data.root={era5_root}", "trainer.max_steps=2", "trainer.log_every=1",
+            "trainer.ckpt_every=2", "trainer.global_batch_size=4", f"run.dir={run_dir}"]
+    results = pool().run(_entry_with_ballast, 2, argv, timeout_s=180)
+    assert [r.value for r in results] == [0, 0], results[0].stderr[-2000:] + results[1].stderr[-2000:]
+    return run_dir, results
+
+
+def test_memory_json_holds_every_rank_by_phase(ballast_run):
+    run_dir, results = ballast_run
+    host = json.loads((run_dir / "memory.json").read_text())["host"]
+    assert list(host) == ["build", "first step", "checkpoint save", "end"]  # no checkpoint was loaded
+    for r in range(2):
+        marks = [host[phase][r] for phase in host]
+        assert marks == sorted(marks) and marks[0] > 0.1, marks  # high-water marks, from a real process size
+    for phase, (rank0, rank1) in host.items():  # the ballast is seen at every phase, on its rank only
+        assert rank1 - rank0 == pytest.approx(BALLAST_MIB / 1024, abs=0.1), phase
+    line = next(ln for ln in results[0].stdout.splitlines() + results[0].stderr.splitlines()
+                if "peak host memory" in ln)
+    assert f"peak host memory {host['end'][1]:.2f} GiB (rank 1 of 2)" in line
+
+
+def test_tensorboard_logs_the_largest_rank(ballast_run):
+    run_dir, _ = ballast_run
+    host = json.loads((run_dir / "memory.json").read_text())["host"]
+    logged = [v for _, v in read_scalars(run_dir)["mem/host_peak_gib"]]
+    assert len(logged) == 2
+    assert all(host["build"][1] <= v <= host["end"][1] + 1e-3 for v in logged), (logged, host)
+    assert all(v > host["end"][0] + 0.1 for v in logged)  # rank 1's figure, not rank 0's
