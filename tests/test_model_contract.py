@@ -27,9 +27,7 @@ from distributed.tensor.parallelize import parallelize
 from networks.blocks import Attention, ScaledDotProductAttention
 from networks.initialization import initialize
 from networks.parallel_plan import BLOCK, check_followed
-import networks.transformer
 from networks.transformer import GPT, GPTConfig
-import networks.vit
 from networks.vit import ViT, ViTConfig
 from tests.helpers import run_ranks
 from tests.test_parallelize import _compare_grads

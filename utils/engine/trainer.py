@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import resource
 import time
 from functools import partial
 from pathlib import Path
