@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-BLOCK_ELEMENTS = 1 << 20  # elements of one drawn block (4 MiB in float32): the most a piece draws at once
+BLOCK_ELEMENTS = 1 << 18  # elements of one drawn block (1 MiB in float32): the most a piece draws beyond itself
 KINDS = ("normal", "trunc_normal", "zeros", "ones")
 
 
@@ -61,10 +61,15 @@ def _draw(init: Init, shape: tuple[int, ...], generator: torch.Generator) -> tor
         return torch.zeros(shape)
     if init.kind == "ones":
         return torch.ones(shape)
-    block = torch.empty(shape)
-    if init.kind == "normal":
-        return block.normal_(0.0, init.std, generator=generator)
-    return nn.init.trunc_normal_(block, std=init.std, a=-2 * init.std, b=2 * init.std, generator=generator)
+    block = torch.empty(shape).normal_(0.0, init.std, generator=generator)
+    if init.kind == "trunc_normal":  # on [-2 std, 2 std] by redrawing the 4.6% outside: exactly the truncated
+        flat = block.view(-1)  # normal, several times faster than nn.init.trunc_normal_'s inverse CDF
+        outside = (flat.abs() > 2 * init.std).nonzero().squeeze(1)
+        while outside.numel():
+            redrawn = torch.empty(outside.numel()).normal_(0.0, init.std, generator=generator)
+            flat[outside] = redrawn
+            outside = outside[redrawn.abs() > 2 * init.std]
+    return block
 
 
 @torch.no_grad()

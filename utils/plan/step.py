@@ -45,8 +45,8 @@ def measure_layout(cfg, world: int, *, values: bool = False) -> Measured:
     return Measured(grid.name, held, comm, activation, trainer.flops_per_sample, ranks)
 
 
-def fake_world(world: int):
-    """A context: one process as rank 0 of `world` on torch's fake process group (utils.comm.init_grid
+def fake_world(world: int, rank: int = 0):
+    """A context: one process as rank `rank` of `world` on torch's fake process group (utils.comm.init_grid
     reads the launch variables), the variables restored and the group destroyed on exit."""
     import contextlib
     import os
@@ -59,10 +59,10 @@ def fake_world(world: int):
     @contextlib.contextmanager
     def scope():
         saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
         try:
             if world > 1:
-                dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+                dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
             yield
         finally:
             destroy_grid()

@@ -47,6 +47,7 @@ class LanguageTask:
         self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
         self.train_set = self.val_set = self.corpus = None
         self.unigram_ppl = float("nan")
+        self.data_less_vocab = 50257  # the vocabulary without data (benchmarks, dry runs): GPT-2's by default
 
     def load_data(self) -> None:
         """Read, tokenize (or load the caches of) the corpus; every data error is raised here."""
@@ -65,7 +66,7 @@ class LanguageTask:
 
     @property
     def vocab_size(self) -> int:
-        return self.corpus.vocab_size if self.corpus else 50257  # GPT-2's vocabulary for data-less benchmarks
+        return self.corpus.vocab_size if self.corpus else self.data_less_vocab
 
     def build_model(self) -> nn.Module:
         return GPT(self.model_cfg, self.vocab_size)

@@ -1,0 +1,104 @@
+"""python -m utils.plan.rank [key=value ...] --world N [--rank R] [--vocab V] [--json]
+
+Play one rank of a cluster-sized job on this machine, for real: rank R of N on torch's fake process group
+(collectives return at once, without data; torchtitan dry-runs memory the same way) builds and initialises
+exactly its share of the model with the real build (utils/engine/build.py: meta build, its tp/pp/FSDP
+pieces allocated and drawn), then takes one real training step (forward, backward, Adam) on random tokens.
+It prints what the rank holds, its peak host memory after the build and after the step, and the seconds
+to each. The values the fake collectives would have brought are garbage; the memory and the time of the
+rank's own work are the job's.
+
+    python -m utils.plan.rank model=llama_8b parallel.dp_mode=fsdp --world 8 --rank 3 --vocab 128256
+    python -m utils.plan.rank model=llama_8b parallel.tp=2 parallel.dp_mode=fsdp --world 64 --vocab 128256
+
+--vocab: the tokenizer's vocabulary when no data is read (default GPT-2's 50257; Llama 3's is 128256).
+The data settings still shape the batch (data.seq_len, trainer.global_batch_size).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from utils import ConfigError, exit_bad_input, require
+
+
+def parse(argv: list[str]) -> tuple[list[str], dict]:
+    """(config overrides, options) of the command line."""
+    options = {"world": None, "rank": 0, "vocab": None, "json": False}
+    overrides, args = [], iter(argv)
+    for arg in args:
+        if arg == "--json":
+            options["json"] = True
+        elif arg.startswith("--") and arg[2:] in options:
+            value = next(args, None)
+            require(value is not None and value.isdigit(), f"{arg} needs a number", arg, f"write {arg} N")
+            options[arg[2:]] = int(value)
+        elif arg.startswith("--"):
+            raise ConfigError(f"unknown option {arg}", arg, "use --world, --rank, --vocab or --json")
+        else:
+            overrides.append(arg)
+    require(options["world"] is not None and options["world"] >= 1, "the world size is missing", "--world",
+            "give --world N, the number of ranks of the job")
+    require(0 <= options["rank"] < options["world"], f"rank {options['rank']} of {options['world']}", "--rank",
+            f"give a rank from 0 to {options['world'] - 1}")
+    return overrides, options
+
+
+def play(overrides: list[str], world: int, rank: int, vocab: int | None) -> dict:
+    """Build rank `rank` of `world` and take one step; the figures (see the module docstring)."""
+    from utils.cli.config import load_config
+    from utils.comm import init_grid
+    from utils.engine.build import build_trainer, param_bytes_report
+    from utils.engine.memory import host_peak_gib, reset_host_peak
+    from utils.plan.step import check_batch_for, fake_world
+    from utils.tasks import build_task
+
+    cfg, _, _ = load_config(overrides)
+    task = build_task(cfg, load_data=False)
+    if vocab is not None:
+        require(hasattr(task, "data_less_vocab"), f"model={cfg.model.arch} reads no vocabulary", "--vocab",
+                "leave --vocab out")
+        task.data_less_vocab = vocab
+    with fake_world(world, rank), tempfile.TemporaryDirectory() as tmp:
+        grid = init_grid(cfg.parallel)
+        check_batch_for(cfg, grid)
+        reset_host_peak()
+        t0 = time.perf_counter()
+        trainer = build_trainer(cfg, task, grid, logging.getLogger("dlscale.plan"), Path(tmp))
+        built_s, built_gib = time.perf_counter() - t0, host_peak_gib()
+        x, y = task.example_batch(cfg.trainer.global_batch_size // grid.batch.size, grid.device)
+        trainer.train_step(x, y)
+        step_s, step_gib = time.perf_counter() - t0 - built_s, host_peak_gib()
+        held = param_bytes_report(trainer.raw_model, trainer.optimizer)
+        trainer.tb.close()
+    return {"layout": grid.name, "rank": rank, "world": world, "held": held, "build_s": round(built_s, 1),
+            "build_host_peak_gib": round(built_gib, 2), "first_step_s": round(step_s, 1),
+            "first_step_host_peak_gib": round(step_gib, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    try:
+        overrides, options = parse(argv)
+        figures = play(overrides, options["world"], options["rank"], options["vocab"])
+    except ConfigError as err:
+        exit_bad_input(err)
+    if options["json"]:
+        print(json.dumps(figures))
+    else:
+        print(f"{figures['layout']} rank {figures['rank']} of {figures['world']}: {figures['held']}; built in "
+              f"{figures['build_s']} s (peak host memory {figures['build_host_peak_gib']} GiB), first step "
+              f"{figures['first_step_s']} s later (peak {figures['first_step_host_peak_gib']} GiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
