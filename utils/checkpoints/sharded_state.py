@@ -8,16 +8,16 @@ shape, written and read with torch.distributed.checkpoint (DCP), which reshards 
 
 Names are the single-process model's (pipeline stages keep global block names; a tied embedding is found
 under both of its names, so a pipeline's two copies and the serial model's one parameter read the same
-entries). A parameter split evenly over a tensor-parallel axis is a DTensor view on that axis's mesh
-(`Shard(dim)`: DCP records its global shape and this rank's offset, and loading into another layout
-reads the overlapping pieces); a replicated one is a plain tensor (DCP keeps one copy of equal keys). An
-uneven split (e.g. a 1408-row vocabulary over tp=3) has no DTensor form (DTensor places chunks as
-torch.chunk does): its full tensor is gathered over the axis (counted) and saved as replicated, and on
-load read whole and sliced (`View.finish_load`). Moments of a parameter follow its layout.
+entries). A tensor this rank holds whole (replicated over tp, a norm, a buffer, a step count) is a plain
+tensor: DCP writes one copy of equal keys. A part of a tensor (split over tp, then over FSDP's replicas, evenly
+or not: `distributed/placement.py`) is a `Box`, its local tensor placed in the full shape by its offsets,
+and Adam's moments follow their parameter's box. A save writes each rank's boxes and a load reads into
+them in place: no collective, no full-size buffer, under any layout of the save and of the load.
 
 `save_state`/`load_state` run DCP over the whole job (`no_dist` in one process) or, for background
-saves, on a dedicated group. Checkpoint metadata is read with an unpickler that admits only DCP's own
-classes: opening a checkpoint never runs code it carries.
+saves, on a dedicated group; a background save copies to host memory only what this rank writes. Checkpoint
+metadata is read with an unpickler that admits only DCP's own classes: opening a checkpoint never runs code
+it carries.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import pickle
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,17 +33,32 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import (
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import (
+    AsyncStager,
+    DefaultStager,
+    StagingOptions,
+)
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
+from typing_extensions import Self
 
-from distributed.collectives import all_gather, split_sizes
-from distributed.placement import parameter_names, shard_layout
+from distributed.placement import local_pieces, parameter_names
 from utils.comm import AxisGroup, Grid
 
 # DCP warns that it assumes one process when torch.distributed is not initialized: here that is meant
@@ -52,38 +66,67 @@ from utils.comm import AxisGroup, Grid
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
+class Box(torch.Tensor):
+    """This rank's part of a tensor for DCP: `local` = full[offsets[d] : offsets[d] + local.shape[d], ...], with
+    the full tensor's shape and dtype (a storage-less wrapper: no op runs on it, only on `local`).
+
+    DCP 2.13 asks a state-dict value that has them (the `_Checkpointable` protocol DTensor implements) for
+    `__create_write_items__` (the save plan: one SHARD item at `offsets`, identical on the ranks holding the
+    same box, so that the planner's dedup writes it once), `__create_chunk_list__` (the load plan: the saved
+    chunks overlapping this one are read) and `__get_tensor_shard__` (the tensor a write reads or a read
+    fills in place: `local`)."""
+
+    local: torch.Tensor
+    offsets: torch.Size
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, full_shape: tuple[int, ...], offsets: tuple[int, ...]) -> Self:
+        assert all(o + n <= f for o, n, f in zip(offsets, local.shape, full_shape, strict=True)), \
+            f"box {tuple(offsets)} + {tuple(local.shape)} outside {tuple(full_shape)}"
+        box = torch.Tensor._make_wrapper_subclass(cls, full_shape, dtype=local.dtype, device=local.device)
+        box.local, box.offsets = local, torch.Size(offsets)
+        return box
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func} on a checkpoint Box: operate on its .local tensor")
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Box(local={tuple(self.local.shape)}, offsets={tuple(self.offsets)}, full={tuple(self.shape)})"
+
+    def slices(self) -> tuple[slice, ...]:
+        """The box as slices of the full tensor."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.local.shape))
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape)
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        data = TensorWriteData(chunk=self._chunk(), properties=TensorProperties.create_from_tensor(self.local),
+                               size=self.shape)
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD, tensor_data=data)]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        assert index.offset == self.offsets, f"{index.fqn}: chunk {index.offset} asked of the box at {self.offsets}"
+        return self.local
+
+
 @dataclass
 class View:
-    """Flat key -> tensor (sharing storage with the model and optimizer), and what loading must finish."""
+    """Flat key -> tensor or `Box`, sharing storage with the model and optimizer."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    # after DCP filled `tensors`: (buffer read into, live tensor, how to slice the buffer for this rank)
-    copies: list[tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
 
-    @torch.no_grad()
     def finish_load(self) -> None:
-        """Copy this rank's part of each tensor that was read whole (uneven tp splits, FSDP shards under tp)."""
-        for buffer, live, part in reversed(self.copies):  # an FSDP shard's tp shard is filled before it
-            live.copy_(part(buffer))
+        """Nothing left to do: a load fills every tensor in place. Kept for the callers that still call it."""
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         return {key: tuple(t.shape) for key, t in self.tensors.items()}
-
-
-def _split_part(axis: AxisGroup, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """This rank's part along `dim` under the tensor_split convention of the tp layers."""
-    def part(full: torch.Tensor) -> torch.Tensor:
-        sizes = split_sizes(full.shape[dim], axis.size)
-        return full.narrow(dim, sum(sizes[:axis.rank]), sizes[axis.rank])
-    return part
-
-
-def _fsdp_part(axis: AxisGroup) -> Callable[[torch.Tensor], torch.Tensor]:
-    """This rank's FSDP2 shard: torch.chunk along dim 0 (empty past the last chunk)."""
-    def part(full: torch.Tensor) -> torch.Tensor:
-        chunks = full.chunk(axis.size)
-        return chunks[axis.rank] if axis.rank < len(chunks) else full[:0]
-    return part
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -104,39 +147,21 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid, *,
                     for_load: bool) -> View:
-    """The flat view of this rank's model (and optimizer) state; see the module doc. `for_load`: uneven
-    tensors get empty full-size buffers to read into, instead of being gathered."""
+    """The flat view of this rank's model (and optimizer) state; see the module doc. The same view serves a
+    save and a load (`grid` and `for_load` are no longer needed: each tensor's box comes from the model)."""
     for module in model.modules():  # after a no-grad forward without resharding, FSDP modules hold the
         if isinstance(module, FSDPModule):  # gathered parameters: back to the sharded ones the optimizer has
             module.reshard()
-    layout, view = shard_layout(model), View()
+    pieces, view = {id(piece.param): piece for piece in local_pieces(model)}, View()
 
     def add(key: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
-        tensor = tensor.detach()
-        if id(param) not in layout or tensor.shape != param.shape:
-            view.tensors[key] = tensor  # replicated, a scalar, or an FSDP DTensor DCP reshards itself
-            return
-        if isinstance(tensor, DTensor):  # FSDP shard of a tp shard: through this rank's whole tp shard
-            fsdp = grid.replicas
-            if for_load:
-                whole = tensor.to_local().new_empty(tensor.shape)
-                view.copies.append((whole, tensor.to_local(), _fsdp_part(fsdp)))
-            else:
-                sizes = [len(c) for c in torch.empty(tensor.shape[0], 0).chunk(fsdp.size)]
-                sizes += [0] * (fsdp.size - len(sizes))
-                whole = all_gather(tensor.to_local().contiguous(), fsdp, 0, sizes)
-            tensor = whole
-        axis, dim, full = layout[id(param)]
-        shape = list(tensor.shape)
-        shape[dim] = full
-        if full % axis.size == 0:
-            view.tensors[key] = DTensor.from_local(tensor, grid.mesh[axis.name], [Shard(dim)], run_check=False,
-                                                   shape=torch.Size(shape), stride=_contiguous_stride(shape))
-        elif for_load:
-            view.tensors[key] = tensor.new_empty(shape)
-            view.copies.append((view.tensors[key], tensor, _split_part(axis, dim)))
+        piece = pieces.get(id(param))
+        local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+        assert piece is not None or not isinstance(tensor, DTensor), f"{key}: a DTensor that is no parameter's"
+        if piece is None or local.shape != piece.local.shape or local.shape == piece.full_shape:
+            view.tensors[key] = local  # whole: a buffer, a replicated parameter, a step count
         else:
-            view.tensors[key] = all_gather(tensor.contiguous(), axis, dim, split_sizes(full, axis.size))
+            view.tensors[key] = Box(local, piece.full_shape, piece.offsets)
 
     params = parameter_names(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -148,14 +173,6 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
             for entry, value in optimizer.state[param].items():
                 add(f"optim/{name}/{entry}", value, param)
     return view
-
-
-def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))
 
 
 _METADATA_CLASSES = {
@@ -227,17 +244,71 @@ def truncated_files(folder: Path) -> list[str]:
 
 def save_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup, *,
                background: bool = False, background_group=None) -> Future | None:
-    """Write `tensors` of every rank into `folder` (every rank calls). `background`: the tensors are
-    copied to host memory first and written by a thread, coordinating on `background_group` (a gloo
-    group of all ranks, never the one the training loop uses); returns the Future that completes once
-    every rank's files and the metadata are written."""
+    """Write `tensors` of every rank into `folder` (every rank calls). `background`: the part of `tensors`
+    this rank writes (`own_share`) is copied to host memory first (`HostStager`), then written by a thread,
+    coordinating on `background_group` (a gloo group of all ranks, never the one the training loop uses);
+    returns, once the copy is made, the Future that completes once every rank's files and the metadata are
+    written."""
     writer = dcp.FileSystemWriter(folder, sync_files=True)
-    if background:
-        return dcp.async_save(tensors, storage_writer=writer, process_group=background_group,
-                              no_dist=world.size == 1)
-    with _as_error("write"):
-        dcp.save(tensors, storage_writer=writer, process_group=world.group, no_dist=world.size == 1)
-    return None
+    if not background:
+        with _as_error("write"):
+            dcp.save(tensors, storage_writer=writer, process_group=world.group, no_dist=world.size == 1)
+        return None
+    share = own_share(tensors, background_group if world.size > 1 else None)
+    stager = HostStager(pin=any(t.device.type == "cuda" for t in share.values()))
+    try:
+        response = dcp.async_save(share, storage_writer=writer, process_group=background_group,
+                                  no_dist=world.size == 1, async_stager=stager)
+    except BaseException:
+        stager.close()
+        raise
+    response.upload_completion.add_done_callback(lambda _: stager.close())
+    response.staging_completion.result()  # the caller's next step may change the tensors
+    return response.upload_completion
+
+
+def own_share(tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """The entries of `tensors` this rank writes: DCP's own dedup of every rank's save plan (an item several
+    ranks hold, e.g. a replica's box, goes to one of them), run before a background save stages anything.
+    The plans travel over `group` as in DCP's planning (metadata only, on the background group, outside the
+    grid's byte count); the save's own planning then finds nothing left to dedup. None: one process."""
+    if group is None:
+        return tensors
+    plans: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(plans, create_default_local_save_plan(tensors, False), group=group)
+    mine = {item.index.fqn for item in dedup_save_plans(plans)[dist.get_rank(group)].items}
+    return {key: t for key, t in tensors.items() if key in mine}
+
+
+class HostStager(AsyncStager):
+    """Copies a state dict to host memory with DCP's DefaultStager, on its worker thread (into pinned memory,
+    on a side stream, when `pin`: the tensors are on CUDA), and puts each `Box` back around its copy."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=pin, use_shared_memory=False,
+                                                   use_async_staging=True, use_non_blocking_copy=pin))
+
+    def stage(self, state_dict: dict) -> Future:
+        boxes = {key: t for key, t in state_dict.items() if isinstance(t, Box)}
+        if self.pin:  # DefaultStager's stream does not wait for the compute stream: the last step must be done
+            torch.accelerator.synchronize()
+        copied = self.stager.stage({key: t.local if key in boxes else t for key, t in state_dict.items()})
+        staged: Future = Future()
+
+        def rewrap(done: Future) -> None:
+            try:
+                staged.set_result({key: Box(t, boxes[key].shape, boxes[key].offsets) if key in boxes else t
+                                   for key, t in done.result().items()})
+            except BaseException as err:  # noqa: BLE001 - the staging's failure is the save's
+                staged.set_exception(err)
+        copied.add_done_callback(rewrap)
+        return staged
+
+    def close(self) -> None:
+        self.stager.close()
 
 
 def load_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup) -> None:
@@ -259,15 +330,12 @@ def read_full(folder: Path) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def fill_from_full(view: View, full: dict[str, torch.Tensor]) -> None:
     """Fill this rank's `view` from the full single-process tensors `full` (same keys), every rank cutting its
-    own part: a DTensor's local shard by its placements (no communication), a replicated tensor whole."""
+    own box (no communication); a whole tensor is copied whole."""
     for key, tensor in view.tensors.items():
-        source = full[key].to(tensor.device, tensor.dtype)
-        if isinstance(tensor, DTensor):
-            part = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None)
-            tensor.to_local().copy_(part.to_local())
+        if isinstance(tensor, Box):
+            tensor.local.copy_(full[key][tensor.slices()])
         else:
-            tensor.copy_(source)
-    view.finish_load()
+            tensor.copy_(full[key])
 
 
 def write_full(tensors: dict[str, torch.Tensor], folder: Path) -> None:
