@@ -17,7 +17,8 @@ Import writes a complete checkpoint (DCP folder, state.json, marker, `latest`) t
 `trainer.resume=auto run.dir=<new run>` or `trainer.resume=<its step folder>`; random streams are then
 re-derived from (seed, step, rank), as for a checkpoint of another layout.
 
-Hugging Face (utils/checkpoints/hf.py): export-hf writes config.json, model.safetensors and the run's
+Hugging Face (utils/checkpoints/hf.py): export-hf writes config.json, model.safetensors (shards listed by
+model.safetensors.index.json past --shard-mib; read and written a tensor at a time) and the run's
 tokenizer files (`data.tokenizer=PATH`, or --tokenizer) of a GPT-2 or Llama run, which transformers'
 `from_pretrained` loads; import-hf writes a checkpoint of the model weights at step 0, for a new run
 with `trainer.init_from=<its step folder>` (or give the folder itself: `trainer.init_from=hf/<name>`),
@@ -31,11 +32,14 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from utils import ConfigError, exit_bad_input, require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer
-from utils.checkpoints.sharded_state import read_full
+from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream
+from utils.checkpoints.sharded_state import SafeReader, read_full
 from utils.cli.runs import TASK_FILE, load_run, read_facts
 from utils.comm import Grid
 from utils.data.tokenizers import PretrainedTokenizer
@@ -45,7 +49,10 @@ IMPORTED_HF = "imported from a Hugging Face folder"
 
 
 def export_checkpoint(folder: Path, out: Path) -> dict:
-    """Write the single-process state of the checkpoint `folder` to `out`; returns it."""
+    """Write the single-process state of the checkpoint `folder` to `out`; returns it.
+
+    Peak memory: the checkpoint's full state (model and Adam moments) once: torch.save pickles one dict, so every
+    tensor is present at once, and it writes each tensor's storage as it is (no second copy)."""
     checkpointer = Checkpointer(folder.parent.parent, Grid.serial().world)
     if not checkpointer.is_complete(folder):
         raise ConfigError(f"{folder} is not a complete checkpoint", "CHECKPOINT",
@@ -75,8 +82,12 @@ def import_checkpoint(file: Path, run_dir: Path) -> Path:
     return Checkpointer(run_dir, Grid.serial().world).save(int(meta["step"]), tensors, meta)
 
 
-def export_hf(folder: Path, out: Path, tokenizer: Path | None = None) -> dict:
-    """Write the language model of the checkpoint `folder` as a Hugging Face folder `out`; returns config.json."""
+def export_hf(folder: Path, out: Path, tokenizer: Path | None = None, shard_bytes: int = SHARD_BYTES) -> dict:
+    """Write the language model of the checkpoint `folder` as a Hugging Face folder `out`; returns config.json.
+
+    Streamed: the checkpoint is read one tensor at a time and written a shard (at most `shard_bytes`) at a time
+    (utils/checkpoints/hf_stream.py); peak memory is one shard's converted tensors and the tensor being
+    converted, never the whole model."""
     _, model, data = load_run(folder, "wikitext")
     require(Checkpointer(folder.parent.parent, Grid.serial().world).is_complete(folder),
             f"{folder} is not a complete checkpoint", "CHECKPOINT", "give a step_* folder that holds a COMPLETE marker")
@@ -85,11 +96,30 @@ def export_hf(folder: Path, out: Path, tokenizer: Path | None = None) -> dict:
             "Hugging Face export)", "CHECKPOINT", "resume the run for one step with this version, then export")
     if tokenizer is None and data.tokenizer not in ("word", "bpe"):
         tokenizer = Path(data.tokenizer)
-    state = {k.removeprefix("model/"): t for k, t in read_full(folder).items() if k.startswith("model/")}
     eos = None if tokenizer is None else PretrainedTokenizer.load(str(tokenizer)).eos_id
     config = hf.hf_config(model, vocab, eos)
-    hf.write_folder(out, config, hf.from_project(model, state, vocab), tokenizer)
+    hf.write_folder(out, config, checkpoint_stream(folder, model, vocab), tokenizer, shard_bytes)
     return config
+
+
+def checkpoint_stream(folder: Path, model, vocab_size: int) -> WeightStream:
+    """The Hugging Face tensors of a checkpoint's model, each produced when asked for from one tensor read alone
+    (DCP reads only that entry's chunks); sizes from the metadata (converted on the meta device)."""
+    metadata = SafeReader(folder).read_metadata().state_dict_metadata
+    shapes = {key.removeprefix("model/"): tuple(m.size) for key, m in metadata.items()
+              if key.startswith("model/") and isinstance(m, TensorStorageMetadata)}
+
+    def converted(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return hf.hf_tensors(model, key, tensor, vocab_size)
+
+    def produce(key: str) -> dict[str, torch.Tensor]:
+        tensor = torch.empty(shapes[key], dtype=metadata[f"model/{key}"].properties.dtype)
+        dcp.load({f"model/{key}": tensor}, storage_reader=SafeReader(folder), no_dist=True)
+        return converted(key, tensor)
+
+    sizes = {key: sum(t.numel() * t.element_size() for t in converted(key, torch.empty(shape, device="meta")).values())
+             for key, shape in shapes.items()}
+    return WeightStream({key: n for key, n in sizes.items() if n}, produce)
 
 
 def import_hf(folder: Path, run_dir: Path, vocab_multiple: int = 64) -> tuple[Path, list[str]]:
@@ -124,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     out_hf.add_argument("folder", type=Path)
     out_hf.add_argument("--tokenizer", type=Path, help="tokenizer folder or tokenizer.json to copy (default: the run's "
                         "data.tokenizer when it is a path)")
+    out_hf.add_argument("--shard-mib", type=int, default=SHARD_BYTES // 2**20,
+                        help="largest safetensors file in MiB (past it: shards listed by model.safetensors.index.json)")
     in_hf = sub.add_parser("import-hf", help="Hugging Face folder (GPT-2, Llama) -> a checkpoint of a run directory")
     in_hf.add_argument("folder", type=Path)
     in_hf.add_argument("run_dir", type=Path)
@@ -138,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "import":
             print(f"wrote {import_checkpoint(args.file, args.run_dir)}")
         elif args.command == "export-hf":
-            config = export_hf(args.checkpoint, args.folder, args.tokenizer)
+            config = export_hf(args.checkpoint, args.folder, args.tokenizer, args.shard_mib * 2**20)
             print(f"wrote {args.folder}: {config['architectures'][0]}, vocabulary {config['vocab_size']}; "
                   f"load it with transformers' AutoModelForCausalLM.from_pretrained('{args.folder}')")
         else:

@@ -15,7 +15,9 @@ exchange is a renaming plus three re-orderings:
 
 Vocabulary rows: the checkpoints of this project pad the vocabulary to a multiple of `model.vocab_multiple`
 with zero rows (networks/transformer.py); import pads, export drops the padding. Nothing here touches
-the network: a folder is read from disk or written to it.
+the network: a folder is read from disk or written to it. Here the conversions take whole tensors (import-hf,
+tests); utils/checkpoints/hf_stream.py applies them to slices (`trainer.init_from`: each rank reads its
+pieces) and writes a folder a shard at a time (export-hf).
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from networks.transformer import GPTConfig, LlamaConfig, padded_vocab_size
 from utils import ConfigError, require
+
+if TYPE_CHECKING:
+    from utils.checkpoints.hf_stream import WeightStream
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json")
@@ -47,10 +53,8 @@ def read_config(folder: Path) -> dict:
         raise ConfigError(f"{config_file} is not JSON ({err})", "DIR", "give an intact model folder") from None
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder's safetensors weights (one file, or the shards its index lists)."""
-    from safetensors.torch import load_file
-
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face folder's weights (one file, or the shards its index lists)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
@@ -59,13 +63,25 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     require(files and all(f.is_file() for f in files), f"{folder} holds no (or not every) safetensors file of "
             "its weights", "DIR", "give a folder with model.safetensors or the shards its index lists "
             "(a pytorch_model.bin folder: convert it with transformers' save_pretrained(safe_serialization=True))")
+    return files
+
+
+def unreadable(file: Path, err: Exception) -> ConfigError:
+    """The one-line error of a safetensors file that cannot be read (safetensors raises its own error types)."""
+    return ConfigError(f"{file} cannot be read ({' '.join(str(err).split())[:200]})", "DIR", "give an intact model folder")
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors weights, all at once (import-hf; init_from reads
+    slices instead: utils/checkpoints/hf_stream.py)."""
+    from safetensors.torch import load_file
+
     tensors = {}
-    for file in files:
+    for file in weight_files(folder):
         try:
             tensors.update(load_file(file))
-        except Exception as err:  # safetensors raises its own error types for damaged files
-            raise ConfigError(f"{file} cannot be read ({' '.join(str(err).split())[:200]})", "DIR",
-                              "give an intact model folder") from None
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise unreadable(file, err) from None
     return tensors
 
 
@@ -125,6 +141,40 @@ def differences(model, arch: str, settings: dict[str, object]) -> list[str]:
         if mine != value:
             wanted.append(f"model.{key}={value}")
     return wanted
+
+
+# Our names -> theirs, in a block (after "blocks.{i}." and their block prefix) and outside the blocks (GPT-2's
+# without the "transformer." that transformers' GPT2LMHeadModel adds). A fused tensor of ours names its parts
+# when they are separate tensors (Llama's q/k/v, gate/up); GPT-2's c_attn is itself fused.
+GPT2_BLOCK = {"norm1.weight": "ln_1.weight", "norm1.bias": "ln_1.bias", "norm2.weight": "ln_2.weight",
+              "norm2.bias": "ln_2.bias", "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
+              "attn.proj.weight": "attn.c_proj.weight", "attn.proj.bias": "attn.c_proj.bias",
+              "mlp.fc1.weight": "mlp.c_fc.weight", "mlp.fc1.bias": "mlp.c_fc.bias", "mlp.fc2.weight": "mlp.c_proj.weight",
+              "mlp.fc2.bias": "mlp.c_proj.bias"}
+GPT2_TOP = {"tok_embed.weight": "wte.weight", "pos_embed.weight": "wpe.weight", "norm.weight": "ln_f.weight",
+            "norm.bias": "ln_f.bias", "lm_head.weight": "lm_head.weight"}
+GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")  # (in, out)
+LLAMA_BLOCK = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
+               "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+               "attn.proj.weight": "self_attn.o_proj.weight",
+               "mlp.fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.fc2.weight": "mlp.down_proj.weight"}
+LLAMA_TOP = {"tok_embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+
+
+def their_names(arch: str, key: str) -> tuple[str, ...]:
+    """The Hugging Face tensor(s) our single-process tensor `key` is made of; () for none."""
+    block, top, prefix = (GPT2_BLOCK, GPT2_TOP, "h.") if arch == "gpt" else (LLAMA_BLOCK, LLAMA_TOP, "model.layers.")
+    if not key.startswith("blocks."):
+        return (top[key],) if key in top else ()
+    _, i, rest = key.split(".", 2)
+    names = block.get(rest, ())
+    return tuple(f"{prefix}{i}.{name}" for name in ((names,) if isinstance(names, str) else names))
+
+
+def is_conv1d(arch: str, name: str) -> bool:
+    """Whether their tensor `name` is stored (in, out): GPT-2's Conv1D weights."""
+    return arch == "gpt" and name.endswith(GPT2_CONV1D)
 
 
 # ----------------------------------------------------------------------------------------------- import
@@ -286,50 +336,45 @@ def hf_config(model, vocab_size: int, eos_id: int | None = None) -> dict:
             "tie_word_embeddings": model.tie_embeddings, "torch_dtype": "float32", "eos_token_id": eos_id}
 
 
+def hf_tensors(model, key: str, tensor: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Our single-process tensor `key` (padded vocabulary) -> the Hugging Face tensors made of it (fresh,
+    contiguous fp32); none for a tied head (the embedding is) or a tensor they have not. A meta `tensor`
+    gives their shapes."""
+    names = () if key == "lm_head.weight" and model.tie_embeddings else their_names(model.arch, key)
+    if not names:
+        return {}
+    t = tensor.detach().float()
+    if key in ("tok_embed.weight", "lm_head.weight"):
+        t = t[:vocab_size]
+    if ".attn.qkv." in key:
+        parts = split_qkv(t, model.kv_heads, model.num_heads // model.kv_heads)
+        parts = parts if len(names) == 3 else (torch.cat(parts),)  # GPT-2's c_attn: ({q, k, v}, head, hd)
+    elif len(names) == 2:  # Llama's fc1: rows (unit, {gate, up})
+        parts = t.reshape(-1, 2, t.shape[1]).unbind(1)
+    else:
+        parts = (t,)
+    if model.arch == "gpt":
+        names = tuple(n if n == "lm_head.weight" else f"transformer.{n}" for n in names)
+    return {n: (p.t() if is_conv1d(model.arch, n) else p).contiguous().clone() for n, p in zip(names, parts, strict=True)}
+
+
 def from_project(model, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """The project's single-process state dict (padded vocabulary) -> a Hugging Face state dict."""
-    out: dict[str, torch.Tensor] = {}
-    groups, q_per_group = model.kv_heads, model.num_heads // model.kv_heads
-    embed = state["tok_embed.weight"][:vocab_size]
-    if model.arch == "gpt":
-        out["transformer.wte.weight"], out["transformer.wpe.weight"] = embed, state["pos_embed.weight"]
-        for i in range(model.depth):
-            h, b = f"transformer.h.{i}.", f"blocks.{i}."
-            for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-                out[f"{h}{theirs}.weight"], out[f"{h}{theirs}.bias"] = state[f"{b}{ours}.weight"], state[f"{b}{ours}.bias"]
-            out[f"{h}attn.c_attn.weight"] = torch.cat(split_qkv(state[f"{b}attn.qkv.weight"], groups, 1)).t()
-            out[f"{h}attn.c_attn.bias"] = torch.cat(split_qkv(state[f"{b}attn.qkv.bias"], groups, 1))
-            for ours, theirs in (("attn.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
-                out[f"{h}{theirs}.weight"] = state[f"{b}{ours}.weight"].t()
-                out[f"{h}{theirs}.bias"] = state[f"{b}{ours}.bias"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = state["norm.weight"], state["norm.bias"]
-    else:
-        out["model.embed_tokens.weight"] = embed
-        for i in range(model.depth):
-            h, b = f"model.layers.{i}.", f"blocks.{i}."
-            out[f"{h}input_layernorm.weight"] = state[f"{b}norm1.weight"]
-            out[f"{h}post_attention_layernorm.weight"] = state[f"{b}norm2.weight"]
-            q, k, v = split_qkv(state[f"{b}attn.qkv.weight"], groups, q_per_group)
-            out[f"{h}self_attn.q_proj.weight"], out[f"{h}self_attn.k_proj.weight"] = q, k
-            out[f"{h}self_attn.v_proj.weight"] = v
-            out[f"{h}self_attn.o_proj.weight"] = state[f"{b}attn.proj.weight"]
-            fc1 = state[f"{b}mlp.fc1.weight"]
-            gate, up = fc1.reshape(-1, 2, fc1.shape[1]).unbind(1)
-            out[f"{h}mlp.gate_proj.weight"], out[f"{h}mlp.up_proj.weight"] = gate, up
-            out[f"{h}mlp.down_proj.weight"] = state[f"{b}mlp.fc2.weight"]
-        out["model.norm.weight"] = state["norm.weight"]
-    if not model.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"][:vocab_size]
-    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+    return {name: t for key, tensor in state.items() for name, t in hf_tensors(model, key, tensor, vocab_size).items()}
 
 
-def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor], tokenizer: Path | None) -> None:
-    """config.json, model.safetensors and (from `tokenizer`, a folder or a tokenizer.json) the tokenizer files."""
-    from safetensors.torch import save_file
+def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor] | WeightStream, tokenizer: Path | None,
+                 shard_bytes: int | None = None) -> None:
+    """config.json, the weights (all given, or a stream produced a shard at a time: hf_stream.write_weights; one
+    file, or shards past `shard_bytes`) and (from `tokenizer`, a folder or a tokenizer.json) the tokenizer files."""
+    from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_weights
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    if isinstance(tensors, dict):
+        tensors = WeightStream({k: t.numel() * t.element_size() for k, t in tensors.items()},
+                               lambda key, held=tensors: {key: held[key]})
+    write_weights(folder, tensors, shard_bytes or SHARD_BYTES)
     if tokenizer is not None:
         source = tokenizer if tokenizer.is_dir() else tokenizer.parent
         names = TOKENIZER_FILES if tokenizer.is_dir() else (tokenizer.name,)
