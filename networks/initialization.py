@@ -133,10 +133,3 @@ def initialize(model: nn.Module, seed: int) -> None:
         if isinstance(param, nn.Parameter) and id(param) not in done:
             done.add(id(param))
             fill_(param, rules[name], seed=seed, key=name, full_shape=param.shape, offsets=(0,) * param.dim())
-
-
-def check_rules(model: nn.Module, rules: dict[str, Init]) -> None:
-    """Every parameter of `model` has a rule (a model family that adds a weight must say how it starts)."""
-    names = {n for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, nn.Parameter)}
-    missing = sorted(names - rules.keys())
-    assert not missing, f"{type(model).__name__}.init_rules() gives no rule for {', '.join(missing)}"

@@ -35,8 +35,9 @@ from distributed.context.layout import ContextShards
 from distributed.mappings import reduce_from_region
 from distributed.rng import ShardedRandom, per_shard
 from distributed.tensor.layers import ScatterSequence
-from networks.blocks import SequenceRegion
+from networks.blocks import ScaledDotProductAttention, SequenceRegion
 from networks.parallel_plan import ParallelModel, ParallelPlan, check_followed
+from utils import ConfigError
 from utils.comm import Axis, AxisGroup, Grid
 
 
@@ -110,7 +111,12 @@ def _swap_attention_and_dropouts(model: nn.Module, plan: ParallelPlan, shards: C
     """cp attention cores reading the token layout; per-shard dropout streams inside the region."""
     cp = shards.axis
     for part in plan.in_blocks(model, "attention"):
-        core = ContextParallelAttention.from_serial(_core(part.module.attend), shards, variant, hierarchy)
+        serial = _core(part.module.attend)
+        if type(serial) is not ScaledDotProductAttention:  # a window or sliding core would be lost, not split
+            raise ConfigError(f"{part.name}.attend is a {type(serial).__name__}, not the plain softmax attention "
+                              "(networks.blocks.ScaledDotProductAttention) that context parallelism distributes",
+                              "parallel.cp", "set parallel.cp=1 for this model")
+        core = ContextParallelAttention.from_serial(serial, shards, variant, hierarchy)
         part.module.attend = per_shard(core, (tp, cp))
         part.module.positions = shards
     for part in plan.in_blocks(model, "dropouts"):  # tokens split over cp (and over tp under sequence parallelism)

@@ -99,11 +99,10 @@ class Pipeline:
 
 def _tied_copies(model: nn.Module) -> nn.Parameter | None:
     """This rank's copy of a tied input/output embedding when the first and last stage are on
-    different ranks (the weight is tied in the full model but only one end is here)."""
-    embed, head = getattr(model, "tok_embed", None), getattr(model, "lm_head", None)
-    if not getattr(getattr(model, "cfg", None), "tie_embeddings", False) or (embed is None) == (head is None):
-        return None
-    return (embed if embed is not None else head).weight
+    different ranks (shared in the full model, one end here: `cut_for_rank`'s `pipeline_tied`)."""
+    tied = getattr(model, "pipeline_tied", [])
+    assert len(tied) <= 1, f"parameters {tied} shared across pipeline ends; one (a tied embedding) is handled"
+    return model.get_parameter(tied[0]) if tied else None
 
 
 class PipelineForward:

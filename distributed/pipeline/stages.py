@@ -49,15 +49,24 @@ def _holds_parameters(value) -> bool:
 
 
 def cut_for_rank(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> nn.Module:
-    """Keep (in place) only what pp rank `pp_rank`'s stages hold; returns `model`."""
+    """Keep (in place) only what pp rank `pp_rank`'s stages hold; returns `model`. `model.pipeline_tied` names
+    the kept parameters the full model shares with a dropped part (a tied embedding whose head another pp rank
+    holds): found from the model's own sharing, not from names or settings, and kept as names (the build
+    allocates new tensors later); the pipeline sums their gradients over the ranks holding the ends
+    (distributed/pipeline/schedule.py)."""
     stages = plan.stages_of(pp_rank)
     keep = {i for s in stages for i in plan.blocks_of(s)}
+    owners: dict[int, set[str]] = {}  # a parameter -> the top-level parts holding it
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), set()).add(name.split(".")[0] if not name.startswith("blocks.") else
+                                                 ".".join(name.split(".")[:2]))
     model.blocks = nn.ModuleDict({name: b for name, b in model.blocks.named_children() if int(name) in keep})
     (_, first_names), (_, last_names) = _ends(model)
     dropped = (first_names if 0 not in stages else ()) + (last_names if plan.num_stages - 1 not in stages else ())
-    for name in dropped:
-        if _holds_parameters(getattr(model, name)):
-            setattr(model, name, None)
+    dropped_parts = {name for name in dropped if _holds_parameters(getattr(model, name))}
+    for name in dropped_parts:
+        setattr(model, name, None)
+    model.pipeline_tied = [name for name, p in model.named_parameters() if owners[id(p)] & dropped_parts]
     return model
 
 

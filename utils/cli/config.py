@@ -29,7 +29,7 @@ from utils.comm import ParallelConfig
 from utils.data.batching import WORKER_STARTS
 from utils.engine.optim import OptimConfig
 from utils.engine.precision import PrecisionConfig
-from utils.tasks import FAMILIES, check_pairing
+from utils.tasks import MODELS, check_pairing
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")
@@ -114,7 +114,7 @@ class Config:
     """The whole configuration of a run. Each group validates its own fields; the rules that tie two
     groups together are checked here, once, when the config is converted."""
 
-    model: Any = MISSING  # a family's schema (utils/tasks/ FAMILIES; config/model/)
+    model: Any = MISSING  # a family's schema (utils/tasks/registry.py; config/model/)
     data: Any = MISSING  # the data schema of that family (config/data/)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -159,9 +159,9 @@ class Config:
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
-    for family in FAMILIES.values():  # config/model/*.yaml and config/data/*.yaml start from these
-        cs.store(group="model", name=f"{family.arch}_schema", node=family.model_schema)
-        cs.store(group="data", name=f"{family.data_kind}_schema", node=family.data_schema)
+    for spec in MODELS.values():  # config/model/*.yaml and config/data/*.yaml start from these
+        cs.store(group="model", name=f"{spec.arch}_schema", node=spec.schema)
+        cs.store(group="data", name=f"{spec.task.DATA_KIND}_schema", node=spec.task.DATA_SCHEMA)
     cs.store(group="precision", name="precision_schema", node=PrecisionConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)

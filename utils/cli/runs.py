@@ -151,23 +151,23 @@ def load_run(checkpoint: Path, data_kind: str, data_overrides: list[str] = ()):
     """(family, model config, data config) of the run a step folder belongs to (its run directory's
     config.yaml, through the family registry), for tools that read a checkpoint in one process. The run
     must train on `data_kind`; `data_overrides` ('data.KEY=VALUE') change where the data is read from."""
-    from utils.tasks import FAMILIES
+    from utils.tasks import MODELS
 
     config = Path(checkpoint).parent.parent / "config.yaml"
     require(config.is_file(), f"{checkpoint} is not a step folder of a run directory (no {config})", "CHECKPOINT",
             "give run.dir/checkpoints/step_NNNNNNN of a run train.py wrote")
     raw = OmegaConf.load(config)
-    family = FAMILIES.get(raw.model.arch)
-    fits = [f.name for f in FAMILIES.values() if f.data_kind == data_kind]
-    require(family is not None and family.data_kind == data_kind, f"{checkpoint} is a checkpoint of the "
+    family = MODELS.get(raw.model.arch)
+    fits = [f.name for f in MODELS.values() if f.task.DATA_KIND == data_kind]
+    require(family is not None and family.task.DATA_KIND == data_kind, f"{checkpoint} is a checkpoint of the "
             f"{raw.model.arch} model, not of a {' or '.join(fits)} model", "CHECKPOINT",
             f"give a checkpoint of a {' or '.join(fits)} run")
     require(all(a.startswith("data.") and "=" in a for a in data_overrides), f"bad settings {data_overrides}",
             "data.KEY=VALUE", "give only data settings, e.g. data.root=/path/to/data")
     extra = OmegaConf.from_dotlist(list(data_overrides)).get("data", {})
     try:
-        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.model_schema), raw.model))
-        data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.data_schema), raw.data, extra))
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.schema), raw.model))
+        data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.task.DATA_SCHEMA), raw.data, extra))
     except Exception as err:  # OmegaConf's validation errors, or a schema's own ConfigError
         if isinstance(err, ConfigError):
             raise

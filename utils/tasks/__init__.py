@@ -1,33 +1,29 @@
-"""Workloads behind one interface (`Task`), and the registry of model families that picks them.
+"""Workloads behind one interface (`Task`), and what ties them to the model families (utils/tasks/registry.py).
 
-A task owns its datasets, builds its (serial) model, knows its tokens per sample and runs its own
-validation metrics; the trainer is the same for every task. `FAMILIES` maps `model.arch` to what the
-rest of the code needs of a family: its config schema, the data family it trains on, and its task.
-The config (utils/cli/config.py) registers the schemas and checks the pairing from it, build_task
-builds from it: a third model or task is one entry here and its own modules, not an edit of five files.
+A task owns its datasets, builds its family's model (through the family's spec), knows its tokens per
+sample and runs its own validation metrics; the trainer is the same for every task. The registry maps
+`model.arch` to the family's `networks.spec.ModelSpec`, whose task says which data it trains on: the config
+(utils/cli/config.py) registers the schemas and checks the pairing from it, build_task builds from it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
-from networks.transformer import GPTConfig, LlamaConfig
-from networks.vit import ViTConfig
 from utils import require
 from utils.comm import Grid
-from utils.data.era5 import ERA5Config
-from utils.data.wikitext import WikiTextConfig
-from utils.tasks.language import LanguageTask
-from utils.tasks.weather import WeatherTask
+from utils.tasks.registry import MODELS, spec_of
 
 
 class Task(Protocol):
     """What a workload provides to the build, the trainer and the tools."""
 
+    DATA_KIND: ClassVar[str]  # the `data.kind` it trains on
+    DATA_NAME: ClassVar[str]  # as messages name that data
+    DATA_SCHEMA: ClassVar[type]  # the data config dataclass
     quality_metric: str  # the validation metric a run is judged by, besides val/loss (a TensorBoard tag)
     train_set: Any  # map-style datasets of (input, target) pairs, set by load_data
     val_set: Any
@@ -35,6 +31,11 @@ class Task(Protocol):
     @staticmethod
     def check_config(cfg: Any) -> None:
         """The rules that tie this task's model and data to the layout and the trainer (raise ConfigError)."""
+
+    @staticmethod
+    def loss_is_criterion(cfg: Any) -> bool:
+        """Whether `training_loss` is criterion(model(x), y) under `cfg` (what a pipeline's last stage computes:
+        another loss, such as several model calls or an auxiliary term, is refused under pp)."""
 
     def load_data(self) -> None:
         """Find, generate or read the data; every data error is raised here, before distributed work."""
@@ -46,7 +47,8 @@ class Task(Protocol):
         """The validation metrics of a log line."""
 
     def build_model(self) -> nn.Module:
-        """The serial model (parallelism is applied by the build, from the model's parallel plan)."""
+        """The serial model of the configured family (its spec's builder); under torch.device("meta") shapes
+        only. Parallelism is applied by the build, from the model's parallel plan."""
 
     def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Random inputs and targets of the training shapes (benchmarks, the planner)."""
@@ -66,42 +68,24 @@ class Task(Protocol):
         """Multi-step forecast skill (trainer.rollout_every; the weather task, utils/tasks/forecast.py)."""
 
 
-@dataclass(frozen=True)
-class Family:
-    """A model family: its `model.arch`, config schema, presets, and the data and task it trains with."""
-
-    arch: str
-    name: str  # as an error message names it
-    model_schema: type
-    presets: str  # the model presets, for error messages
-    data_kind: str  # `data.kind` it trains on
-    data_name: str
-    data_schema: type
-    task: type
-
-
-FAMILIES = {f.arch: f for f in (
-    Family("vit", "ViT", ViTConfig, "model=vit_tiny, vit_base or vit_large", "era5", "ERA5", ERA5Config, WeatherTask),
-    Family("gpt", "GPT", GPTConfig, "model=gpt_tiny, gpt_small or gpt_medium", "wikitext", "WikiText", WikiTextConfig,
-           LanguageTask),
-    Family("llama", "Llama", LlamaConfig, "model=llama_tiny, llama_1b or llama_8b", "wikitext", "WikiText",
-           WikiTextConfig, LanguageTask),
-)}
-
-
 def check_pairing(cfg) -> None:
-    """The data fits the model (exit 2 naming the models that would), then the task's own rules."""
+    """The data fits the model (exit 2 naming the models that would), the pipeline computes the task's loss,
+    then the task's own rules."""
     model, data = cfg.model, cfg.data
-    family = FAMILIES[model.arch]  # each schema checks its own arch tag
-    fits = [f for f in FAMILIES.values() if f.data_kind == data.kind]
-    require(family.data_kind == data.kind, f"the {fits[0].data_name} data needs a {' or '.join(f.name for f in fits)} "
-            "model", "model", "use " + "; ".join(f.presets for f in fits) + f" with data={data.kind}*")
-    family.task.check_config(cfg)
+    spec = spec_of(model.arch)  # each schema checks its own arch tag
+    fits = [s for s in MODELS.values() if s.task.DATA_KIND == data.kind]
+    require(spec.task.DATA_KIND == data.kind, f"the {fits[0].task.DATA_NAME} data needs a "
+            f"{' or '.join(s.name for s in fits)} model", "model",
+            "use " + "; ".join(s.presets for s in fits) + f" with data={data.kind}*")
+    spec.task.check_config(cfg)
+    require(cfg.parallel.pp == 1 or spec.task.loss_is_criterion(cfg), f"the {spec.name} task's training loss "
+            "under these settings is not criterion(model(x), y), which a pipeline's last stage computes",
+            "parallel.pp", "set parallel.pp=1")
 
 
 def build_task(cfg, load_data: bool = True) -> Task:
     """The workload of the configured model family, its data inspected (before any distributed work)."""
-    task = FAMILIES[cfg.model.arch].task(cfg.data, cfg.model, cfg.trainer)
+    task = spec_of(cfg.model.arch).task(cfg.data, cfg.model, cfg.trainer)
     if load_data:
         task.load_data()
     return task

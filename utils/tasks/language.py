@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from distributed.collectives import all_reduce_
-from networks.transformer import GPT, GPTConfig, check_seq_len, padded_vocab_size
+from networks.transformer import GPTConfig, check_seq_len, padded_vocab_size
 from utils import require
 from utils.comm import Axis, Grid
 from utils.data.wikitext import WikiTextConfig, load_wikitext
@@ -17,8 +17,9 @@ from utils.tasks.generate import greedy_decode
 
 
 class LanguageTask:
-    """Next-token prediction on WikiText with the decoder-only Transformer."""
+    """Next-token prediction on WikiText with a decoder-only Transformer family (GPT, Llama, ...)."""
 
+    DATA_KIND, DATA_NAME, DATA_SCHEMA = "wikitext", "WikiText", WikiTextConfig
     num_prompts, prompt_len = 3, 8
     quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
 
@@ -68,8 +69,14 @@ class LanguageTask:
     def vocab_size(self) -> int:
         return self.corpus.vocab_size if self.corpus else self.data_less_vocab
 
+    @staticmethod
+    def loss_is_criterion(cfg) -> bool:
+        return True
+
     def build_model(self) -> nn.Module:
-        return GPT(self.model_cfg, self.vocab_size)
+        from utils.tasks.registry import spec_of  # (the registry imports this module)
+
+        return spec_of(self.model_cfg.arch).build(self.model_cfg, self)
 
     def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch_size, self.cfg.seq_len)

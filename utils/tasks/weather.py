@@ -10,7 +10,7 @@ from torch import nn
 
 from distributed.collectives import all_reduce_
 from distributed.pipeline.schedule import from_last_stage
-from networks.vit import ViT, ViTConfig
+from networks.vit import ViTConfig
 from utils import require
 from utils.comm import Grid
 from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
@@ -25,6 +25,8 @@ SKILL_CHANNELS = ("u10m", "t2m", "z500")  # the channels of the skill figures (t
 
 class WeatherTask:
     """ERA5 next-state regression with the ViT."""
+
+    DATA_KIND, DATA_NAME, DATA_SCHEMA = "era5", "ERA5", ERA5Config
 
     @staticmethod
     def check_config(cfg) -> None:
@@ -89,9 +91,15 @@ class WeatherTask:
         shape = (batch_size, len(self.cfg.channels), *self.cfg.img_size)
         return torch.randn(shape, device=device), torch.randn(shape, device=device)
 
+    @staticmethod
+    def loss_is_criterion(cfg) -> bool:
+        """One-step training is; rollout training feeds predictions back (refused under pp by check_config)."""
+        return cfg.trainer.rollout_train_steps == 1
+
     def build_model(self) -> nn.Module:
-        c = len(self.cfg.channels)
-        return ViT(self.model_cfg, tuple(self.cfg.img_size), c, c)
+        from utils.tasks.registry import spec_of  # (the registry imports this module)
+
+        return spec_of(self.model_cfg.arch).build(self.model_cfg, self)
 
     def rollout_length(self, step: int) -> int:
         """K predicted steps per training sample at optimizer step `step`: the curriculum (a function of the

@@ -1,0 +1,106 @@
+"""A model family from its own folder: tests/toy_family registers a decoder of parallel blocks and its preset
+with one line, and it trains under tp2, cp2 (ring and all-to-all), pp2 and FSDP like the built-in families:
+every layout follows its one-process curve (fp32, relative 1e-4), with no edit outside that folder.
+
+The registry's contract is also refused where a family breaks it: an attention core that is not plain
+softmax attention under cp (it would be replaced, not split), and a task loss the pipeline would not compute.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import QUIET, read_scalars
+
+STEPS = 4
+TOY = ["model=toy_tiny", "data=wikitext_sample", "data.seq_len=32", "data.sample_tokens=0", "optim.lr=2e-3",
+       "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}", "trainer.log_every=1", *QUIET]
+LAYOUTS = {"tp2": ["parallel.tp=2"], "cp2": ["parallel.cp=2"], "cp2_alltoall": ["parallel.cp=2",
+           "parallel.cp_attention=alltoall"], "pp2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+           "tp2_fsdp2": ["parallel.tp=2", "parallel.dp_mode=fsdp"]}
+
+
+def _entry_with_toy(rank: int, world: int, argv: list[str]) -> int:
+    """train.py on a pooled rank, with the tests-only family registered (as its users' entry would import it)."""
+    import tests.toy_family  # noqa: F401  (registers the family)
+    from tests.rank_pool import _entry
+
+    return _entry(rank, world, argv)
+
+
+def run_toy(run_dir, corpus_root, layout: list[str], world: int) -> list[float]:
+    from tests.rank_pool import pool
+
+    argv = [*TOY, f"data.root={corpus_root}", f"run.dir={run_dir}", *layout]
+    results = pool().run(_entry_with_toy, world, argv, timeout_s=180)
+    assert [r.value for r in results] == [0] * world, results[0].stderr[-3000:]
+    return [v for _, v in read_scalars(run_dir)["train/loss"]]
+
+
+@pytest.fixture(scope="module")
+def toy_reference(tmp_path_factory, corpus_root):
+    return run_toy(tmp_path_factory.mktemp("toy") / "single", corpus_root, [], 1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_toy_family_trains_under_every_axis(layout, toy_reference, corpus_root, tmp_path):
+    world = 4 if layout == "tp2_fsdp2" else 2
+    got = run_toy(tmp_path / layout, corpus_root, LAYOUTS[layout], world)
+    assert len(got) == STEPS and got == pytest.approx(toy_reference, rel=1e-4)
+    assert toy_reference[-1] < toy_reference[0]  # it trains
+
+
+def test_a_family_built_on_meta_keeps_the_contract(corpus_root):
+    import torch
+
+    import tests.toy_family  # noqa: F401
+    from networks.spec import check_family_model
+    from utils.cli.config import load_config
+    from utils.tasks import build_task
+
+    cfg, _, _ = load_config([*TOY, f"data.root={corpus_root}"])
+    with torch.device("meta"):
+        assert check_family_model(build_task(cfg).build_model()) == []
+
+
+def _sliding_core_under_cp(rank: int, world: int, argv: list[str]) -> None:
+    import torch
+
+    import tests.toy_family  # noqa: F401
+    from distributed.context.parallelize import parallelize_context
+    from networks.blocks import ScaledDotProductAttention
+    from utils import ConfigError
+    from utils.cli.config import load_config
+    from utils.comm import init_grid
+    from utils.tasks import build_task
+
+    class SlidingWindow(ScaledDotProductAttention):  # another core (a subclass): not one cp knows how to split
+        pass
+
+    cfg, _, _ = load_config(argv)
+    grid = init_grid(cfg.parallel)
+    with torch.device("meta"):
+        model = build_task(cfg).build_model()
+    for block in model.blocks:
+        block.attn.attend = SlidingWindow(causal=True, dropout=0.0)
+    with pytest.raises(ConfigError, match=r"blocks\.0\.attn\.attend is a SlidingWindow, not the plain softmax"):
+        parallelize_context(model, grid=grid, variant=cfg.parallel.cp_attention)
+
+
+def test_cp_refuses_an_attention_core_it_would_replace(corpus_root, tmp_path):
+    from tests.helpers import run_ranks
+
+    run_ranks(_sliding_core_under_cp, 2, tmp_path, [*TOY, f"data.root={corpus_root}", "parallel.cp=2"])
+
+
+def test_pp_refuses_a_loss_its_last_stage_would_not_compute(corpus_root, monkeypatch):
+    """A task whose training loss is not criterion(model(x), y) (an auxiliary term, several calls): pp exits 2."""
+    import tests.toy_family  # noqa: F401
+    from utils import ConfigError
+    from utils.cli.config import load_config
+    from utils.tasks.language import LanguageTask
+
+    monkeypatch.setattr(LanguageTask, "loss_is_criterion", staticmethod(lambda cfg: False))
+    with pytest.raises(ConfigError, match=r"toy decoder task's training loss .* not criterion\(model\(x\), y\)"):
+        load_config([*TOY, f"data.root={corpus_root}", "parallel.pp=2"])
+    load_config([*TOY, f"data.root={corpus_root}"])  # pp=1 runs the task's own training_loss
