@@ -1,4 +1,4 @@
-"""python -m utils.plan.rank [key=value ...] --world N [--rank R] [--vocab V] [--json]
+"""python -m utils.plan.rank [key=value ...] --world N [--rank R] [--vocab V] [--steps S] [--json]
 
 Play one rank of a cluster-sized job on this machine, for real: rank R of N on torch's fake process group
 (collectives return at once, without data; torchtitan dry-runs memory the same way) builds and initialises
@@ -12,6 +12,7 @@ rank's own work are the job's.
     python -m utils.plan.rank model=llama_8b parallel.tp=2 parallel.dp_mode=fsdp --world 64 --vocab 128256
 
 --vocab: the tokenizer's vocabulary when no data is read (default GPT-2's 50257; Llama 3's is 128256).
+--steps: training steps after the build (default 1; 0: the build alone).
 The data settings still shape the batch (data.seq_len, trainer.global_batch_size).
 """
 
@@ -29,7 +30,7 @@ from utils import ConfigError, exit_bad_input, require
 
 def parse(argv: list[str]) -> tuple[list[str], dict]:
     """(config overrides, options) of the command line."""
-    options = {"world": None, "rank": 0, "vocab": None, "json": False}
+    options = {"world": None, "rank": 0, "vocab": None, "steps": 1, "json": False}
     overrides, args = [], iter(argv)
     for arg in args:
         if arg == "--json":
@@ -39,7 +40,7 @@ def parse(argv: list[str]) -> tuple[list[str], dict]:
             require(value is not None and value.isdigit(), f"{arg} needs a number", arg, f"write {arg} N")
             options[arg[2:]] = int(value)
         elif arg.startswith("--"):
-            raise ConfigError(f"unknown option {arg}", arg, "use --world, --rank, --vocab or --json")
+            raise ConfigError(f"unknown option {arg}", arg, "use --world, --rank, --vocab, --steps or --json")
         else:
             overrides.append(arg)
     require(options["world"] is not None and options["world"] >= 1, "the world size is missing", "--world",
@@ -49,8 +50,9 @@ def parse(argv: list[str]) -> tuple[list[str], dict]:
     return overrides, options
 
 
-def play(overrides: list[str], world: int, rank: int, vocab: int | None) -> dict:
-    """Build rank `rank` of `world` and take one step; the figures (see the module docstring)."""
+def play(overrides: list[str], world: int, rank: int, vocab: int | None, steps: int = 1) -> dict:
+    """Build rank `rank` of `world` and take `steps` steps (0: the build only); the figures (see the module
+    docstring)."""
     from utils.cli.config import load_config
     from utils.comm import init_grid
     from utils.engine.build import build_trainer, param_bytes_report
@@ -72,13 +74,14 @@ def play(overrides: list[str], world: int, rank: int, vocab: int | None) -> dict
         trainer = build_trainer(cfg, task, grid, logging.getLogger("dlscale.plan"), Path(tmp))
         built_s, built_gib = time.perf_counter() - t0, host_peak_gib()
         x, y = task.example_batch(cfg.trainer.global_batch_size // grid.batch.size, grid.device)
-        trainer.train_step(x, y)
+        for _ in range(steps):
+            trainer.train_step(x, y)
         step_s, step_gib = time.perf_counter() - t0 - built_s, host_peak_gib()
         held = param_bytes_report(trainer.raw_model, trainer.optimizer)
         trainer.tb.close()
     return {"layout": grid.name, "rank": rank, "world": world, "held": held, "build_s": round(built_s, 1),
-            "build_host_peak_gib": round(built_gib, 2), "first_step_s": round(step_s, 1),
-            "first_step_host_peak_gib": round(step_gib, 2)}
+            "build_host_peak_gib": round(built_gib, 2), "steps": steps, "steps_s": round(step_s, 1),
+            "steps_host_peak_gib": round(step_gib, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,15 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         overrides, options = parse(argv)
-        figures = play(overrides, options["world"], options["rank"], options["vocab"])
+        figures = play(overrides, options["world"], options["rank"], options["vocab"], options["steps"])
     except ConfigError as err:
         exit_bad_input(err)
     if options["json"]:
         print(json.dumps(figures))
     else:
         print(f"{figures['layout']} rank {figures['rank']} of {figures['world']}: {figures['held']}; built in "
-              f"{figures['build_s']} s (peak host memory {figures['build_host_peak_gib']} GiB), first step "
-              f"{figures['first_step_s']} s later (peak {figures['first_step_host_peak_gib']} GiB)")
+              f"{figures['build_s']} s (peak host memory {figures['build_host_peak_gib']} GiB), {figures['steps']} step(s) "
+              f"{figures['steps_s']} s later (peak {figures['steps_host_peak_gib']} GiB)")
     return 0
 
 
