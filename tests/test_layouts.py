@@ -102,11 +102,11 @@ def vit_reference(tmp_path_factory, era5_root):
 
 def dp2_bytes_per_step(*overrides: str) -> int:
     """What a dp=2 rank sends per step: the ring all-reduce of every fp32 gradient once (none for the
-    micro-batches before the last), of the fp32 loss for the logged mean, and of the step's two fp32
-    flags agreed by every rank (non-finite values, stop signal; dp is the whole world here)."""
+    micro-batches before the last), of the fp32 loss for the logged mean, and of the step's three fp32
+    values agreed by every rank (non-finite values, stop signal, peak host memory; dp is the whole world here)."""
     cfg, _, _ = load_config([*VIT, *overrides])
     params = sum(p.numel() for p in build_task(cfg, load_data=False).build_model().parameters())
-    return ring_bytes("all_reduce", 4 * params, 2) + ring_bytes("all_reduce", 4, 2) + ring_bytes("all_reduce", 8, 2)
+    return ring_bytes("all_reduce", 4 * params, 2) + ring_bytes("all_reduce", 4, 2) + ring_bytes("all_reduce", 12, 2)
 
 
 def assert_planned(run_dir, overrides: list[str], world: int) -> None:
@@ -134,10 +134,10 @@ def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5
         if axis in layout:
             assert scalars[f"comm/{axis}_bytes"][0][1] > 0
     if layout == "pp2_gpipe":  # exact: rank 0 sends m microbatches' activations (B/m x N x D fp32), then
-        # the loss and bubble (2 floats), the grad norm's sum of squares and the two flags over pp
+        # the loss and bubble (2 floats), the grad norm's sum of squares and the three agreed values over pp
         cfg, _, _ = load_config([*VIT, f"data.root={era5_root}"])
         activations = 8 * 128 * cfg.model.embed_dim * 4  # global batch x 128 patches x D, in 2 microbatches
-        assert [v for _, v in scalars["comm/pp_bytes"]] == [activations + 8 + 4 + 8] * STEPS
+        assert [v for _, v in scalars["comm/pp_bytes"]] == [activations + 8 + 4 + 12] * STEPS
         bubble = [v for _, v in scalars["perf/pp_bubble"]]
         assert all(0 < b < 1 for b in bubble) and scalars["perf/pp_bubble_formula"][0][1] == pytest.approx(1 / 3)
 
@@ -293,7 +293,7 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
 def cp2_step_bytes(workload: list[str], root, layout: list[str]) -> int:
     """What a cp=2 rank sends per step, exactly: the ring's K/V blocks (forward (cp-1) x 2, backward (4cp-2))
     or the all-to-alls of q, k, v and the output there and back ((cp-1)/cp of each), per layer; the gradient
-    all-reduce, the loss mean and the two flags. K/V hold the model's key/value heads (grouped ones travel
+    all-reduce, the loss mean and the three agreed values (flags, host memory). K/V hold the model's key/value heads (grouped ones travel
     grouped, not copied per query head)."""
     cfg, _, _ = load_config([*workload, f"data.root={root}", *layout])
     model, cp = cfg.model, 2
@@ -304,7 +304,7 @@ def cp2_step_bytes(workload: list[str], root, layout: list[str]) -> int:
         attention = (2 * (cp - 1) + (4 * cp - 2)) * kv
     else:
         attention = 2 * (cp - 1) * (2 * q + 2 * kv) // cp
-    return model.depth * attention + ring_bytes("all_reduce", 4 * params, 2) + 4 + 8
+    return model.depth * attention + ring_bytes("all_reduce", 4 * params, 2) + 4 + 12
 
 
 @pytest.fixture(scope="module")
