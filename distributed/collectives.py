@@ -196,6 +196,15 @@ def barrier(axis: AxisGroup) -> None:
         dist.barrier(group=axis.group)
 
 
+def gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's `obj` (small picklable metadata), on every rank of a process group outside the grid's
+    axes (the background checkpoint group's save plans): not counted in comm/<axis>_bytes, which count the
+    grid's axes."""
+    objects: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(objects, obj, group=group)
+    return objects
+
+
 def broadcast_object(obj: Any, axis: AxisGroup, src_rank: int = 0) -> Any:
     """`obj` as rank `src_rank` of `axis` holds it (a small picklable value), on every rank of `axis`."""
     if axis.size == 1:

@@ -80,8 +80,8 @@ def local_pieces(model: nn.Module) -> list[Piece]:
         shape, offsets = list(param.shape), [0] * param.dim()  # a DTensor's shape: the tp shard FSDP splits
         if isinstance(param, DTensor):
             assert tuple(param.placements) == (Shard(0),), f"{name}: placements {param.placements}"
-            mesh = param.device_mesh
-            offsets[0] = fsdp_rows(shape[0], mesh.size(), mesh.get_local_rank())[0]
+            mesh = param.device_mesh  # its coordinate, not get_local_rank(): a flattened mesh's group is
+            offsets[0] = fsdp_rows(shape[0], mesh.size(), mesh.get_coordinate()[0])[0]  # looked up by name there
         if id(param) in layout:
             axis, dim, full = layout[id(param)]
             offsets[dim] += sum(split_sizes(full, axis.size)[:axis.rank])

@@ -22,6 +22,7 @@ from tests.helpers import QUIET, make_tokenizer, read_scalars, run_main
 from tests.rank_pool import run_entry_ranks
 from utils.checkpoints import hf
 from utils.checkpoints.export import main as export_main
+from utils.checkpoints.hf_stream import write_folder
 from utils.checkpoints.sharded_state import read_full
 from utils.comm import Axis, Grid
 from utils.tasks.generate import greedy_decode
@@ -79,7 +80,7 @@ def test_logits_and_greedy_tokens_equal_transformers_both_ways(tmp_path, kind):
         want = theirs(x).logits
         torch.testing.assert_close(ours(x)[..., :VOCAB], want, rtol=1e-5, atol=1e-5)
     # export: transformers reads what we write
-    hf.write_folder(tmp_path / "out", hf.hf_config(cfg, VOCAB), hf.from_project(cfg, ours.state_dict(), VOCAB), None)
+    write_folder(tmp_path / "out", hf.hf_config(cfg, VOCAB), hf.from_project(cfg, ours.state_dict(), VOCAB), None)
     back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weight
     back.eval()

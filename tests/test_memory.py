@@ -2,7 +2,7 @@
 the largest rank's in the log and in TensorBoard's mem/host_peak_gib.
 
 The marks start at the run (utils/engine/memory.py `reset_host_peak`: the test's pooled ranks ran other cases
-before). A rank made to hold 256 MiB more than the others (a ballast allocated and touched on rank 1 before
+before). A rank made to hold 1 GiB more than the others (a ballast allocated and touched on rank 1 before
 the run) must show up: its marks exceed the other rank's by about that much at every phase, the log names
 it as the largest, and mem/host_peak_gib (agreed by the step's max all-reduce) is its figure, not rank 0's.
 """
@@ -14,8 +14,9 @@ import json
 import pytest
 
 from tests.helpers import NARROW, QUIET, read_scalars
+from tests.rank_pool import run_entry_ranks
 
-BALLAST_MIB = 256
+BALLAST_MIB = 1024  # well above what a pooled rank may keep resident from earlier cases (< 0.3 GiB)
 
 
 def _entry_with_ballast(rank: int, world: int, argv: list[str]) -> int:
@@ -51,8 +52,8 @@ def test_memory_json_holds_every_rank_by_phase(ballast_run):
     for r in range(2):
         marks = [host[phase][r] for phase in host]
         assert marks == sorted(marks) and marks[0] > 0.1, marks  # high-water marks, from a real process size
-    for phase, (rank0, rank1) in host.items():  # the ballast is seen at every phase, on its rank only
-        assert rank1 - rank0 == pytest.approx(BALLAST_MIB / 1024, abs=0.1), phase
+    for phase, (rank0, rank1) in host.items():  # the ballast is seen at every phase, on its rank only (the
+        assert rank1 - rank0 == pytest.approx(BALLAST_MIB / 1024, abs=0.35), phase  # pool's ranks differ a little)
     line = next(ln for ln in results[0].stdout.splitlines() + results[0].stderr.splitlines()
                 if "peak host memory" in ln)
     assert f"peak host memory {host['end'][1]:.2f} GiB (rank 1 of 2)" in line
@@ -64,4 +65,22 @@ def test_tensorboard_logs_the_largest_rank(ballast_run):
     logged = [v for _, v in read_scalars(run_dir)["mem/host_peak_gib"]]
     assert len(logged) == 2
     assert all(host["build"][1] <= v <= host["end"][1] + 1e-3 for v in logged), (logged, host)
-    assert all(v > host["end"][0] + 0.1 for v in logged)  # rank 1's figure, not rank 0's
+    assert all(v > host["end"][0] + 0.5 for v in logged)  # rank 1's figure, not rank 0's
+
+
+def test_the_planner_predicts_each_ranks_host_memory(tmp_path, era5_root):
+    """utils.plan's host figure (the runtime overhead plus what rank 0 holds and saves for backward, on a CPU)
+    against a dp2 run's measured first-step peak, within 20%: a 50M-parameter ViT (the planner reads no data:
+    a language model's vocabulary would be GPT-2's there), so that its 0.8 GiB of weights, gradients and Adam
+    state per rank (not the runtime) decides the figure."""
+    from utils.plan.cost_model import GPUS, plan_layout
+
+    argv = [*QUIET, "model.embed_dim=1024", "model.num_heads=8", "model.depth=4", f"data.root={era5_root}",
+            "parallel.dp=2", "trainer.global_batch_size=8", "trainer.max_steps=2", f"run.dir={tmp_path / 'run'}"]
+    plan = plan_layout(argv, GPUS["cpu"], 2)
+    results = run_entry_ranks(argv, 2)
+    assert [r.value for r in results] == [0, 0], results[0].stderr[-2000:]
+    measured = json.loads((tmp_path / "run" / "memory.json").read_text())["host"]["first step"]
+    share = (plan.param_bytes + plan.grad_bytes + plan.optimizer_bytes) / 2**30
+    assert share > 0.7  # the model's state dominates the figure
+    assert plan.host_bytes / 2**30 == pytest.approx(measured[0], rel=0.2), (plan.host_bytes / 2**30, measured)

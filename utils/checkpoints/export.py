@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from utils import ConfigError, exit_bad_input, require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer
-from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream
+from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_folder
 from utils.checkpoints.sharded_state import SafeReader, read_full
 from utils.cli.runs import TASK_FILE, load_run, read_facts
 from utils.comm import Grid
@@ -98,7 +98,7 @@ def export_hf(folder: Path, out: Path, tokenizer: Path | None = None, shard_byte
         tokenizer = Path(data.tokenizer)
     eos = None if tokenizer is None else PretrainedTokenizer.load(str(tokenizer)).eos_id
     config = hf.hf_config(model, vocab, eos)
-    hf.write_folder(out, config, checkpoint_stream(folder, model, vocab), tokenizer, shard_bytes)
+    write_folder(out, config, checkpoint_stream(folder, model, vocab), tokenizer, shard_bytes)
     return config
 
 

@@ -23,17 +23,13 @@ pieces) and writes a folder a shard at a time (export-hf).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from networks.transformer import GPTConfig, LlamaConfig, padded_vocab_size
 from utils import ConfigError, require
 
-if TYPE_CHECKING:
-    from utils.checkpoints.hf_stream import WeightStream
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json")
@@ -361,23 +357,3 @@ def hf_tensors(model, key: str, tensor: torch.Tensor, vocab_size: int) -> dict[s
 def from_project(model, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """The project's single-process state dict (padded vocabulary) -> a Hugging Face state dict."""
     return {name: t for key, tensor in state.items() for name, t in hf_tensors(model, key, tensor, vocab_size).items()}
-
-
-def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor] | WeightStream, tokenizer: Path | None,
-                 shard_bytes: int | None = None) -> None:
-    """config.json, the weights (all given, or a stream produced a shard at a time: hf_stream.write_weights; one
-    file, or shards past `shard_bytes`) and (from `tokenizer`, a folder or a tokenizer.json) the tokenizer files."""
-    from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_weights
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if isinstance(tensors, dict):
-        tensors = WeightStream({k: t.numel() * t.element_size() for k, t in tensors.items()},
-                               lambda key, held=tensors: {key: held[key]})
-    write_weights(folder, tensors, shard_bytes or SHARD_BYTES)
-    if tokenizer is not None:
-        source = tokenizer if tokenizer.is_dir() else tokenizer.parent
-        names = TOKENIZER_FILES if tokenizer.is_dir() else (tokenizer.name,)
-        for name in names:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, folder / name)

@@ -58,6 +58,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import Self
 
+from distributed.collectives import gather_objects
 from distributed.placement import local_pieces, parameter_names
 from utils.comm import AxisGroup, Grid
 
@@ -274,8 +275,7 @@ def own_share(tensors: dict[str, torch.Tensor], group: dist.ProcessGroup | None)
     grid's byte count); the save's own planning then finds nothing left to dedup. None: one process."""
     if group is None:
         return tensors
-    plans: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(plans, create_default_local_save_plan(tensors, False), group=group)
+    plans = gather_objects(create_default_local_save_plan(tensors, False), group)
     mine = {item.index.fqn for item in dedup_save_plans(plans)[dist.get_rank(group)].items}
     return {key: t for key, t in tensors.items() if key in mine}
 

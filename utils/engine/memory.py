@@ -72,6 +72,13 @@ class MemoryLedger:
                        for i, phase in enumerate(PHASES) if any(r[i][k] >= 0 for r in every)}
                 for k, kind in enumerate(("host", "device"))}
 
+    def report(self, world: AxisGroup, is_main: bool, run_dir: Path, log) -> None:
+        """At the end of a run (collective): every rank's marks gathered; the main rank writes memory.json and
+        logs the largest rank's figures."""
+        figures = self.gather(world)
+        if is_main:
+            log.info(self.write(run_dir, figures))
+
     @staticmethod
     def write(run_dir: Path, figures: dict) -> str:
         """memory.json in `run_dir`; returns the log's line (the largest rank's host figure per phase)."""

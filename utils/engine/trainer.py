@@ -55,8 +55,7 @@ class Trainer:
         self.skipped_steps, self.consecutive_skips = 0, 0  # trainer.nonfinite=skip
         self.stop_requested = False  # a stop signal on this rank when the next step begins
         self.stop_request: StopRequest | None = None  # the handlers build_run installed, for fit to act on
-        # the last step's agreed [non-finite, stop] (0/1) and the largest rank's peak host memory (GiB), on the device
-        self.flags = torch.zeros(3, device=self.device)
+        self.flags = torch.zeros(3, device=self.device)  # the last step's agreed [non-finite, stop, host GiB]
         self.memory = MemoryLedger(self.device)  # this rank's high-water marks by phase (utils/engine/memory.py)
         self.results = StepResults(self.device)  # step scalars on their way to the host (utils/engine/step_results.py)
         self.watchdog = StepWatchdog(0, run_dir, grid.global_rank)  # off outside fit (e.g. the benchmark)
@@ -110,8 +109,7 @@ class Trainer:
             seed_default_stream(self.tc.seed, self.grid, step)
             self.log.info(f"the checkpoint was written by the layout '{meta.get('layout')}': random streams "
                           f"re-derived from (seed, step {step}, rank) for '{self.grid.signature}'")
-        # purge what a crashed run wrote to TensorBoard after this step
-        self.tb = TensorBoard(self.run_dir, self.grid.is_main, self.step)
+        self.tb = TensorBoard(self.run_dir, self.grid.is_main, self.step)  # purges what a crashed run wrote after
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (global-batch mean loss, global gradient norm) as device tensors, read by nothing here:
@@ -156,13 +154,11 @@ class Trainer:
         return total
 
     def agree_on_flags(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """[non-finite loss or grad norm, stop requested, peak host memory] max-reduced over all ranks (a device
-        tensor), so every rank takes the same branch: a rank's replicated gradients are its own (one NaN there
-        must not make that rank skip while the others step), and ranks may see a stop signal at different
-        steps. The largest rank's host memory rides along (mem/host_peak_gib)."""
+        """[non-finite loss or grad norm, stop requested, peak host GiB (mem/host_peak_gib)] max-reduced over all
+        ranks (a device tensor), so every rank takes the same branch: a rank's replicated gradients are its own
+        (one NaN there must not make it skip while the others step); ranks may see a stop signal at other steps."""
         bad = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float()
-        stop = torch.full((), float(self.stop_requested), device=self.device)  # a fill, not a host copy
-        host = torch.full((), host_peak_gib(), device=self.device)
+        stop, host = (torch.full((), v, device=self.device) for v in (float(self.stop_requested), host_peak_gib()))
         return all_reduce_(torch.stack([bad, stop, host]), self.grid.world, "max")
 
     def step_optimizer(self, bad: torch.Tensor) -> None:
@@ -253,9 +249,7 @@ class Trainer:
             self.background_save_done(wait=False)
         self.watchdog.phase("checkpoint")
         self.background_save_done(wait=True)
-        figures = self.memory.gather(self.grid.world)
-        if self.grid.is_main:
-            self.log.info(self.memory.write(self.run_dir, figures))
+        self.memory.report(self.grid.world, self.grid.is_main, self.run_dir, self.log)  # memory.json, a log line
         self.tb.close(finished=self.step == self.tc.max_steps)
         return 0
 

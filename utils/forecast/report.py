@@ -61,7 +61,7 @@ def forecast(args) -> dict:
             f"{args.checkpoint} is not a complete checkpoint", "CHECKPOINT",
             "give a step_* folder that holds a COMPLETE marker")
     task = family.task(data_cfg, model_cfg, TrainerConfig(rollout_every=1, rollout_steps=args.steps,
-                                                          rollout_inits=count))
+                                                          rollout_inits=count), build=family.build)
     task.load_data()
     if times:
         root = task.val_set.infos[0].path.parent.parent  # the data folder (the synthetic cache included)

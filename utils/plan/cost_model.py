@@ -108,6 +108,7 @@ class LayoutPlan:
     step_time_s: float = 0.0
     fits: bool = True
     refused: str = ""  # the one-line error of a layout the code refuses
+    host_bytes: int = 0  # peak resident host memory of rank 0: the runtime, plus everything above on a CPU
 
     @property
     def total_bytes(self) -> int:
@@ -224,7 +225,14 @@ def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware
     plan.comm_s = sum(n / (link_gbs(hw, full.axis_ranks[name]) * GB) for name, n in plan.comm_bytes.items())
     plan.step_time_s = plan.compute_s + plan.comm_s
     plan.fits = plan.total_bytes <= hw.memory_gb * GB
+    plan.host_bytes = round(HOST_RUNTIME_GIB * 2**30) + (plan.total_bytes if hw.device == "cpu" else 0)
     return plan
+
+
+# Peak resident memory of a rank beyond the model: Python, torch and its libraries, the data, gloo's buffers,
+# measured as the one-process run of a one-block model (python -m utils.bench.memory's overhead row; CPU,
+# torch 2.13, docs/measurements.md). On GPUs the CUDA runtime's host memory comes on top and is not modelled.
+HOST_RUNTIME_GIB = 0.33
 
 
 def full_flops_per_sample(cfg) -> float:
@@ -292,13 +300,13 @@ def table(plans: list[LayoutPlan], req: Request) -> str:
              f"inter {hw.inter_gbs} GB/s{f' (--bandwidths {req.links_from})' if req.links_from else ''}, "
              f"{hw.gpus_per_node} per node, {hw.memory_gb} GB; rank 0; no overlap",
              "| rank | layout | fits | step s | compute s | comm s | params GiB | grads GiB | Adam GiB | "
-             "activations GiB | total GiB | comm MB per step by axis |", "|" + "---|" * 12]
+             "activations GiB | total GiB | host GiB | comm MB per step by axis |", "|" + "---|" * 13]
     for i, p in enumerate(plans, 1):
         if p.refused:
-            lines.append(f"| - | {p.layout} | refused | {p.refused} |" + " |" * 8)
+            lines.append(f"| - | {p.layout} | refused | {p.refused} |" + " |" * 9)
             continue
         gib = [f"{n / 2**30:.2f}" for n in (p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes,
-                                            p.total_bytes)]
+                                            p.total_bytes, p.host_bytes)]
         comm = ", ".join(f"{a} {n / 1e6:.1f}" for a, n in p.comm_bytes.items()) or "none"
         lines.append(f"| {i} | {p.layout} | {'yes' if p.fits else 'NO'} | {p.step_time_s:.4g} | {p.compute_s:.4g} "
                      f"| {p.comm_s:.4g} | " + " | ".join(gib) + f" | {comm} |")

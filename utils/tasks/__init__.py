@@ -47,8 +47,9 @@ class Task(Protocol):
         """The validation metrics of a log line."""
 
     def build_model(self) -> nn.Module:
-        """The serial model of the configured family (its spec's builder); under torch.device("meta") shapes
-        only. Parallelism is applied by the build, from the model's parallel plan."""
+        """The serial model of the configured family (its spec's builder, given to the task's constructor as
+        `build`); under torch.device("meta") shapes only. Parallelism is applied by the build, from the
+        model's parallel plan."""
 
     def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Random inputs and targets of the training shapes (benchmarks, the planner)."""
@@ -85,7 +86,8 @@ def check_pairing(cfg) -> None:
 
 def build_task(cfg, load_data: bool = True) -> Task:
     """The workload of the configured model family, its data inspected (before any distributed work)."""
-    task = spec_of(cfg.model.arch).task(cfg.data, cfg.model, cfg.trainer)
+    spec = spec_of(cfg.model.arch)
+    task = spec.task(cfg.data, cfg.model, cfg.trainer, build=spec.build)
     if load_data:
         task.load_data()
     return task

@@ -43,8 +43,8 @@ class LanguageTask:
                 f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
                 f"use a multiple of {2 * cp}")
 
-    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig, trainer=None):
-        self.cfg, self.model_cfg = data, model_cfg
+    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig, trainer=None, build=None):
+        self.cfg, self.model_cfg, self.build = data, model_cfg, build  # build: the family's (networks/spec.py)
         self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
         self.train_set = self.val_set = self.corpus = None
         self.unigram_ppl = float("nan")
@@ -74,9 +74,7 @@ class LanguageTask:
         return True
 
     def build_model(self) -> nn.Module:
-        from utils.tasks.registry import spec_of  # (the registry imports this module)
-
-        return spec_of(self.model_cfg.arch).build(self.model_cfg, self)
+        return self.build(self.model_cfg, self)
 
     def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch_size, self.cfg.seq_len)

@@ -62,8 +62,8 @@ class WeatherTask:
         first = f"val/rmse/{self.cfg.channels[0]}"
         return f"val/loss={metrics['val/loss']:.4g} {first}={metrics[first]:.4g}"
 
-    def __init__(self, data: ERA5Config, model_cfg: ViTConfig, trainer=None):
-        self.cfg, self.model_cfg = data, model_cfg
+    def __init__(self, data: ERA5Config, model_cfg: ViTConfig, trainer=None, build=None):
+        self.cfg, self.model_cfg, self.build = data, model_cfg, build  # build: the family's (networks/spec.py)
         self.rollout_steps, self.rollout_inits = (trainer.rollout_steps, trainer.rollout_inits) if trainer else (0, 0)
         self.rollout_on = bool(trainer and trainer.rollout_every)
         self.train_horizon, self.curriculum = (trainer.rollout_train_steps, trainer.rollout_train_every) \
@@ -97,9 +97,7 @@ class WeatherTask:
         return cfg.trainer.rollout_train_steps == 1
 
     def build_model(self) -> nn.Module:
-        from utils.tasks.registry import spec_of  # (the registry imports this module)
-
-        return spec_of(self.model_cfg.arch).build(self.model_cfg, self)
+        return self.build(self.model_cfg, self)
 
     def rollout_length(self, step: int) -> int:
         """K predicted steps per training sample at optimizer step `step`: the curriculum (a function of the
