@@ -153,6 +153,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         torch.testing.assert_close(got[key], tensor, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,saved,loaded", CASES, ids=[f"{m}-{s}-to-{t}" for m, s, t in CASES])
 def test_boxes_save_and_load_without_collectives(model, saved, loaded, tmp_path, corpus_root):
     from utils.checkpoints.sharded_state import read_full, read_shapes

@@ -105,6 +105,7 @@ def _import_on_ranks(rank: int, world_size: int, argv: list[str], folder: str, o
     save_state(checkpoint_view(model, None, grid, for_load=False).tensors, Path(out), grid.world)
 
 
+@pytest.mark.slow
 def test_tp2_fsdp2_ranks_read_the_one_process_import(folder, corpus_root, tmp_path):
     argv = [*run_args(folder, corpus_root, tmp_path), "parallel.tp=2", "parallel.dp_mode=fsdp"]
     run_ranks(_import_on_ranks, 4, tmp_path, argv, str(folder), str(tmp_path / "ranks"), timeout_s=120)
@@ -115,6 +116,7 @@ def test_tp2_fsdp2_ranks_read_the_one_process_import(folder, corpus_root, tmp_pa
         torch.testing.assert_close(got[key], tensor, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.slow
 def test_a_run_from_the_folder_exports_in_shards_that_transformers_loads(folder, corpus_root, tmp_path):
     from utils.cli.config import load_config
     from utils.engine.build import build_run

@@ -123,6 +123,7 @@ def ties(model: torch.nn.Module) -> set[frozenset[str]]:
     return {frozenset(names) for names in groups.values() if len(names) > 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,layout", CASES, ids=[f"{m}-{layout}" for m, layout in CASES])
 def test_every_layout_builds_the_one_process_weights(model, layout, tmp_path, era5_root, corpus_root):
     from utils.checkpoints.sharded_state import read_full

@@ -68,6 +68,7 @@ def test_tensorboard_logs_the_largest_rank(ballast_run):
     assert all(v > host["end"][0] + 0.5 for v in logged)  # rank 1's figure, not rank 0's
 
 
+@pytest.mark.slow
 def test_the_planner_predicts_each_ranks_host_memory(tmp_path, era5_root):
     """utils.plan's host figure (the runtime overhead plus what rank 0 holds and saves for backward, on a CPU)
     against a dp2 run's measured first-step peak, within 20%: a 50M-parameter ViT (the planner reads no data:

@@ -42,6 +42,7 @@ def toy_reference(tmp_path_factory, corpus_root):
     return run_toy(tmp_path_factory.mktemp("toy") / "single", corpus_root, [], 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_toy_family_trains_under_every_axis(layout, toy_reference, corpus_root, tmp_path):
     world = 4 if layout == "tp2_fsdp2" else 2
