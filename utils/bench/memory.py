@@ -8,11 +8,13 @@ state, 16 bytes per parameter (fp32 weights, gradients, Adam's two moments) divi
 runtime's fixed overhead: the peak of the same one-process run of a model of one narrow block (Python,
 torch, the data, the communication buffers; measured first).
 
-    python -m utils.bench.memory model=gpt_medium data=wikitext_sample data.seq_len=64 \\
+    python -m utils.bench.memory model=gpt_medium data=wikitext_sample data.seq_len=64 data.limit_eval_tokens=512 \\
         --layout fsdp4="parallel.dp=4 parallel.dp_mode=fsdp" --layout tp2dp2="parallel.tp=2 parallel.dp_mode=fsdp" \\
         --resume fsdp4
 
-A layout's SETTINGS are overrides separated by spaces; `single` (one process) is always measured first.
+A layout's SETTINGS are overrides separated by spaces; `single` (one process) is always measured first. A run
+ends with a validation pass: bound it (data.limit_eval_tokens, data.limit_nsamples_val) for a large model on a
+small machine.
 """
 
 from __future__ import annotations
