@@ -129,11 +129,12 @@ def supervise(procs: list[subprocess.Popen], preempt_grace_s: float = 180.0) -> 
         time.sleep(0.1)
 
 
-def forward_stop_signals(procs: list[subprocess.Popen]) -> None:
+def forward_stop_signals(procs: list[subprocess.Popen], early: tuple[int, float] | None = None) -> None:
     """A stop signal to the launcher (SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGINT) reaches every rank as SIGTERM
-    (each finishes its step, checkpoints and exits); a second one kills them. One the launcher received before
-    the ranks started (train_mp.py records them from its first line) is forwarded now. Ranks also die with
-    the launcher (die_with_parent)."""
+    (each finishes its step, checkpoints and exits); a second one kills them. `early`, one the launcher received
+    before the ranks started (train_mp.py records them from its first line; taken before forking, so a forked
+    rank records the forwarded one itself even before its trainer's handlers are up), is forwarded now. Ranks
+    also die with the launcher (die_with_parent)."""
     received = []
 
     def forward(signum, frame):
@@ -146,7 +147,7 @@ def forward_stop_signals(procs: list[subprocess.Popen]) -> None:
 
     for sig in (*EARLY_SIGNALS, signal.SIGINT):
         signal.signal(sig, forward)
-    if (early := take_early_stop()) is not None:
+    if early is not None:
         forward(early[0], None)
 
 
@@ -183,8 +184,7 @@ class ForkedRank:
         """In the child: `run_command`; its exit status (1 and the traceback for an exception)."""
         code = 1
         try:
-            die_with_parent()
-            take_early_stop()  # the launcher's, which it forwards to every rank
+            die_with_parent()  # (the launcher took its early stop before forking: it forwards it to every rank)
             os.environ.clear()
             os.environ.update(env)
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read the variable at import already
@@ -229,6 +229,7 @@ def launch(argv: list[str], world: int) -> int:
     use_gpus = gpus and torch.cuda.device_count() >= world
     port = free_port()
     print(f"train_mp: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
+    early = take_early_stop()  # before forking: a forked rank must not inherit it and clear what it is sent
     if gpus:
         procs = [subprocess.Popen([sys.executable, str(ENTRY_SCRIPT), *argv], env=rank_env(r, world, port, use_gpus),
                                   preexec_fn=die_with_parent) for r in range(world)]
@@ -236,6 +237,6 @@ def launch(argv: list[str], world: int) -> int:
         import utils.engine.build  # noqa: F401 - the rest of what a rank imports: once here, not once in every rank
 
         procs = [ForkedRank(rank_env(r, world, port, False), argv) for r in range(world)]
-    forward_stop_signals(procs)
+    forward_stop_signals(procs, early)
     return supervise(procs)
 

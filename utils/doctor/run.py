@@ -21,6 +21,7 @@ import torch
 
 from distributed.collectives import all_reduce, barrier
 from utils import ConfigError, exit_bad_input, require
+from utils.engine.preemption import take_early_stop
 from utils.cli import local_launch
 from utils.cli.config import load_config
 from utils.cli.launch import die_with_parent, free_port, rank_env
@@ -187,12 +188,13 @@ def launch(argv: list[str], world: int) -> int:
     use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world
     port = free_port()
     print(f"doctor: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
+    early = take_early_stop()  # before forking (local_launch.launch's reason)
     if torch.cuda.is_available():
         procs = [subprocess.Popen([sys.executable, "-m", "utils.doctor", *argv], cwd=ROOT, preexec_fn=die_with_parent,
                                   env=rank_env(r, world, port, use_gpus)) for r in range(world)]
     else:
         procs = [DoctorRank(rank_env(r, world, port, False), argv) for r in range(world)]
-    local_launch.forward_stop_signals(procs)
+    local_launch.forward_stop_signals(procs, early)
     return local_launch.supervise(procs)
 
 
