@@ -117,7 +117,6 @@ def _load(rank: int, world_size: int, argv: list[str], folder: str) -> None:
     view = checkpoint_view(model, optimizer, grid, for_load=True)
     grid.reset_comm_bytes()
     load_state(view.tensors, Path(folder) / "sync", grid.world)
-    view.finish_load()
     assert not any(grid.comm_bytes().values()), f"a load moved bytes over the grid: {grid.comm_bytes()}"
     full = read_full(Path(folder) / "sync")
     for piece in local_pieces(model):

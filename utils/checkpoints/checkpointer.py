@@ -248,7 +248,6 @@ class Checkpointer:
                 raise
             reason = f"truncated: {', '.join(short)}" if short else " ".join(str(err).split())[-400:]
             raise CorruptCheckpoint(Path(path), reason) from None
-        view.finish_load()
 
     def set_aside(self, path: Path) -> Path | None:
         """Rank 0: rename a checkpoint found unreadable to `bad_<name>`, out of reach of resume and pruning

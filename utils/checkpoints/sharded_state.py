@@ -123,9 +123,6 @@ class View:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def finish_load(self) -> None:
-        """Nothing left to do: a load fills every tensor in place. Kept for the callers that still call it."""
-
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         return {key: tuple(t.shape) for key, t in self.tensors.items()}
 

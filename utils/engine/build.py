@@ -201,7 +201,6 @@ def init_weights_from(trainer: Trainer, folder: Path) -> None:
         require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
                 f"e.g. {wrong[0] if wrong else ''})", "trainer.init_from", "give a checkpoint of a run of the same model")
         load_state(view.tensors, folder, trainer.grid.world)
-        view.finish_load()
     trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
 
 
