@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -31,7 +32,12 @@ import torch.multiprocessing as mp
 PRELOAD = ("train", "utils.engine.build", "utils.engine.trainer", "torch.distributed.pipelining",
            "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.utils.tensorboard")
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+CRASH_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)  # a pooled process killed by the C library
 FAILURE_GRACE_S = 10.0  # after one rank fails, how long the others get to fail or finish on their own
+
+
+class PooledCrash(RuntimeError):
+    """A pooled process died of one of CRASH_SIGNALS while it ran a case."""
 
 
 @dataclass
@@ -140,7 +146,20 @@ class RankPool:
     def run(self, fn: Callable, world: int, *args, timeout_s: float = 120.0,
             env: dict[str, str] | None = None) -> list[RankResult]:
         """`fn(rank, world, *args)` on `world` ranks; their results in rank order. Raises TimeoutError when
-        a rank is not done within `timeout_s`, RuntimeError when a pooled process died."""
+        a rank is not done within `timeout_s`, RuntimeError when a pooled process died.
+
+        A pooled process killed by the C library (SIGABRT, SIGSEGV, SIGBUS: seen once in CI as glibc's
+        "unaligned tcache chunk" at a thread's exit, in a rank that had run dozens of cases) is the pool's
+        fault as much as the case's: the case runs once more in fresh processes, and a second such death
+        fails it like any other."""
+        try:
+            return self._run_once(fn, world, *args, timeout_s=timeout_s, env=env)
+        except PooledCrash as crash:
+            print(f"rank pool: {crash}; the case runs again in fresh processes", file=sys.stderr)
+            return self._run_once(fn, world, *args, timeout_s=timeout_s, env=env, retry=False)
+
+    def _run_once(self, fn: Callable, world: int, *args, timeout_s: float, env: dict[str, str] | None,
+                  retry: bool = True) -> list[RankResult]:
         from utils.cli.launch import free_port
 
         self._grow(world)
@@ -151,9 +170,9 @@ class RankPool:
                                                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                                MASTER_PORT=str(port))
             self._jobs[rank].put((job_id, rank, {**(env or {}), **launch}, fn, args))
-        return self._collect(job_id, world, timeout_s)
+        return self._collect(job_id, world, timeout_s, retry)
 
-    def _collect(self, job_id: int, world: int, timeout_s: float) -> list[RankResult]:
+    def _collect(self, job_id: int, world: int, timeout_s: float, retry: bool) -> list[RankResult]:
         results: dict[int, RankResult] = {}
         deadline = time.monotonic() + timeout_s
         while len(results) < world:
@@ -162,12 +181,17 @@ class RankPool:
             except queue.Empty:
                 dead = [i for i in range(world) if not self._procs[i].is_alive()]
                 if dead or time.monotonic() > deadline:
+                    codes = [self._procs[i].exitcode for i in dead]
                     self.restart()
+                    crashed = [code for code in codes if code is not None and -code in CRASH_SIGNALS]
+                    if crashed and retry:
+                        raise PooledCrash(f"pooled rank {dead[codes.index(crashed[0])]} died of signal "
+                                          f"{-crashed[0]}")
                     if any(r.error or _failed(r.value) for r in results.values()):  # the others waited on it
                         return [results.get(r, RankResult(error="stopped: another rank failed first"))
                                 for r in range(world)]
                     if dead:
-                        raise RuntimeError(f"pooled rank {dead[0]} died (exit code {self._procs[dead[0]].exitcode})")
+                        raise RuntimeError(f"pooled rank {dead[0]} died (exit code {codes[0]})")
                     raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} not done within "
                                        f"{timeout_s:.0f} s") from None
                 continue

@@ -63,7 +63,7 @@ def test_tensorboard_logs_the_largest_rank(ballast_run):
     host = json.loads((run_dir / "memory.json").read_text())["host"]
     logged = [v for _, v in read_scalars(run_dir)["mem/host_peak_gib"]]
     assert len(logged) == 2
-    assert all(host["build"][1] <= v <= host["end"][1] + 1e-3 for v in logged), (logged, host)
+    assert all(host["build"][1] - 1e-3 <= v <= host["end"][1] + 1e-3 for v in logged), (logged, host)  # json: 4 digits
     assert all(v > host["end"][0] + 0.5 for v in logged)  # rank 1's figure, not rank 0's
 
 
