@@ -1,7 +1,7 @@
 #!/bin/bash
 # The multi-rank tests on one GPU node: sbatch submit/test_job.sh [pytest arguments, e.g. tests/test_layouts.py -x]
 # One task: each test starts its own gloo ranks (and the entry-point tests their own train_mp.py ranks),
-# so more tasks would only repeat them. GPU-only tests run here and are skipped on CPU machines.
+# so more tasks would only repeat them. The tests marked `gpu` (pytest -m gpu) run here; without CUDA they skip.
 #SBATCH --job-name=dlscale-tests
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
