@@ -114,7 +114,43 @@ def test_a_rollout_under_any_layout_equals_one_process(layout, single, era5_root
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
-def test_bf16_rollouts_feed_predictions_back_in_float32(single, era5_root, tmp_path):
+class _Rollouts:
+    """Two initial times of 3 channels on a 4 x 8 grid, 3 steps, in place of the files (Rollouts' interface)."""
+    starts, steps, img_size, climatology = [(0, 0), (0, 1)], 3, (4, 8), None
+    means, stds = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1), torch.tensor([0.5, 1.0, 2.0]).view(3, 1, 1)
+
+    def read(self, index):
+        gen = torch.Generator().manual_seed(index)
+        return torch.randn(3, 4, 8, generator=gen), torch.randn(self.steps, 3, 4, 8, generator=gen)
+
+
+def test_rollouts_feed_predictions_back_in_float32():
+    """Under bf16 autocast the model's output is bf16; each later step's input must be that output cast back to
+    float32 (rounded to bf16 once per step, not carried in bf16), and the forecast kept is float32."""
+    from utils.comm import ParallelConfig, init_grid
+    from utils.tasks.forecast import rollout_skill
+
+    conv = torch.nn.Conv2d(3, 3, 1)
+    inputs, outputs = [], []
+
+    def model(x):
+        inputs.append(x)
+        outputs.append(conv(x))
+        return outputs[-1]
+
+    kept = []
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731 (the trainer's autocast factory)
+    skill_of = rollout_skill(model, _Rollouts(), grid=init_grid(ParallelConfig()), autocast=autocast,
+                             with_baselines=True, keep=kept)
+    assert len(inputs) == 3 and all(o.dtype == torch.bfloat16 for o in outputs)  # autocast acted
+    assert [x.dtype for x in inputs] == [torch.float32] * 3
+    for before, after in zip(outputs, inputs[1:]):
+        assert torch.equal(after, before.float())  # the prediction itself, in float32
+    assert kept[0].dtype == torch.float32 and torch.isfinite(skill_of["model"]["rmse"]).all()
+
+
+def test_bf16_rollouts_follow_the_fp32_rollout(single, era5_root, tmp_path):
+    """Through the entry point: a bf16 run's rollout RMSE within bf16's 8 roundoffs of the fp32 run's."""
     run_dir = tmp_path / "bf16"
     results = run_entry_ranks([*ROLLOUT, f"data.root={era5_root}", f"run.dir={run_dir}", "precision=bf16"], 1)
     assert [r.value for r in results] == [0]
