@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distributed.pipeline.stage_plan import SCHEDULES
+from distributed.timeouts import set_group_timeouts
 from utils import ConfigError, require
 from utils.cli.launch import LaunchEnv, launch_env, pick_device
 
@@ -328,13 +329,12 @@ def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid
         os.environ.setdefault("WORLD_SIZE", str(env.world_size))
         backend = "nccl" if device.type == "cuda" else "gloo"
         try:
-            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=cfg.init_timeout_s),
-                                    device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=datetime.timedelta(
+                seconds=cfg.init_timeout_s), device_id=device if device.type == "cuda" else None)
         except dist.DistStoreError as err:
             raise ConfigError(f"not all {env.world_size} ranks joined within {cfg.init_timeout_s} s ({err})",
-                              "parallel.init_timeout_s",
-                              "check the other ranks' output: a rank that fails its checks exits before joining") from None
+                              "parallel.init_timeout_s", "check the other ranks' output: a rank that fails its "
+                              "checks exits before joining") from None
     grid = Grid(sizes, order, env.rank, device, build_mesh(sizes, order, device))
     for axes in GROUPS_BUILT_AT_START:
         grid.axis(*axes)  # creating a group is collective: every rank, same order, at start
@@ -343,6 +343,7 @@ def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid
     if cfg.cp_attention == "hierarchical" and sizes[Axis.CP] > 1:
         grid.cp_hierarchy = _cp_hierarchy(grid, cfg.cp_a2a)
     grid.frozen = True
+    set_group_timeouts(cfg.init_timeout_s)  # every group, the mesh's and new_group's too (distributed/timeouts.py)
     return grid
 
 

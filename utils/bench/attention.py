@@ -38,6 +38,7 @@ from utils import ConfigError, exit_bad_input, require
 from utils.cli.launch import die_with_parent, free_port, launch_env, rank_env
 from utils.cli.local_launch import supervise
 from utils.comm import CP_VARIANTS, Axis, ParallelConfig, destroy_grid, init_grid
+from utils.engine.device import synchronize
 from utils.engine.flops import device_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,11 +87,6 @@ def unusable(variant: str, heads: int, cp: int, a2a: int) -> str | None:
     if variant == "hierarchical" and not (cp >= 4 and cp % a2a == 0 and 1 < a2a < cp and heads % a2a == 0):
         return f"needs cp >= 4 split in groups of cp_a2a={a2a} that divide cp and the heads"
     return None
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_step(step, device: torch.device, warmup: int, iters: int) -> float:

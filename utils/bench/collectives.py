@@ -23,6 +23,7 @@ from distributed.collectives import all_gather, all_reduce, barrier, own_chunk, 
 from utils import ConfigError, exit_bad_input, require
 from utils.cli.launch import launch_env
 from utils.comm import ParallelConfig, destroy_grid, init_grid
+from utils.engine.device import synchronize
 from utils.engine.flops import device_name
 
 
@@ -44,6 +45,26 @@ def parse(argv: list[str]) -> tuple[tuple[int, ...], int]:
     return shape, reps
 
 
+def time_interleaved(ops: dict, reps: int, axis, device: torch.device) -> tuple[dict[str, int], dict[str, list]]:
+    """(bytes each op sends, seconds of each of its `reps` calls), the ops interleaved. A call is timed from a
+    barrier to the device's end of its work (`synchronize`: on NCCL a collective returns once queued, and
+    timing the launch would report microseconds for any size)."""
+    sent, times = {}, {name: [] for name in ops}
+    for name, op in ops.items():  # warm-up, and the bytes each sends
+        axis.bytes_moved = 0
+        op()
+        sent[name] = axis.bytes_moved
+    for _ in range(reps):
+        for name, op in ops.items():
+            synchronize(device)
+            barrier(axis)
+            start = time.perf_counter()
+            op()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return sent, times
+
+
 def run(argv: list[str]) -> str:
     shape, reps = parse(argv)
     world = launch_env().world_size
@@ -58,17 +79,7 @@ def run(argv: list[str]) -> str:
            "reduce-scatter, via='reduce_scatter'": lambda: reduce_scatter(full, axis, 1, via="reduce_scatter"),
            "reduce-scatter, via='all_reduce' (gloo default)": lambda: reduce_scatter(full, axis, 1, via="all_reduce"),
            "all-gather (token shard)": lambda: all_gather(shard, axis, 1, sizes)}
-    sent, times = {}, {name: [] for name in ops}
-    for name, op in ops.items():  # warm-up, and the bytes each sends
-        axis.bytes_moved = 0
-        op()
-        sent[name] = axis.bytes_moved
-    for _ in range(reps):
-        for name, op in ops.items():
-            barrier(axis)
-            start = time.perf_counter()
-            op()
-            times[name].append(time.perf_counter() - start)
+    sent, times = time_interleaved(ops, reps, axis, grid.device)
     if grid.global_rank != 0:
         return ""
     backend = torch.distributed.get_backend(axis.group)

@@ -38,6 +38,7 @@ from utils.cli.config import load_config
 from utils.cli.launch import launch_env
 from utils.comm import Axis, destroy_grid, init_grid
 from utils.engine.build import build_trainer
+from utils.engine.device import synchronize
 from utils.engine.flops import device_name
 from utils.engine.memory import peak_memory_gib
 from utils.tasks import build_task
@@ -71,11 +72,6 @@ def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
                     "give a positive number of steps")
             options[key] = int(value)
     return options, rest
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_steps(trainer, warmup: int, steps: int) -> tuple[float, list[float]]:

@@ -17,6 +17,7 @@ import torch
 from distributed.collectives import all_gather
 from utils.comm import Grid
 from utils.doctor.report import Check, verdict
+from utils.engine.device import gpu_identity
 from utils.engine.flops import PEAK_TFLOPS, device_name, peak_tflops
 
 
@@ -30,17 +31,25 @@ def versions(device: torch.device) -> dict[str, str]:
 
 
 def device_facts(device: torch.device) -> dict:
-    """This rank's device: name, index and memory in GiB (None on the CPU)."""
+    """This rank's device: name, logical index, identity (UUID or PCI bus id, utils/engine/device.py) and memory
+    in GiB (None on the CPU)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return {"name": props.name, "index": device.index, "memory_gib": round(props.total_memory / 2**30, 1),
-                "visible": torch.cuda.device_count()}
-    return {"name": device_name(device), "index": -1, "memory_gib": None, "visible": 0}
+        return {"name": props.name, "index": device.index, "identity": gpu_identity(device),
+                "memory_gib": round(props.total_memory / 2**30, 1), "visible": torch.cuda.device_count()}
+    return {"name": device_name(device), "index": -1, "identity": "cpu", "memory_gib": None, "visible": 0}
+
+
+def shared_gpus(placement: list[tuple[int, int]]) -> int:
+    """Ranks whose (node, GPU identity) another rank holds too (0 on a correct launch)."""
+    return len(placement) - len(set(placement))
 
 
 def node_of_every_rank(grid: Grid) -> list[tuple[int, int]]:
-    """(node id, device index) of every global rank; the node id is a checksum of the host name."""
-    mine = torch.tensor([[zlib.crc32(socket.gethostname().encode()), device_facts(grid.device)["index"]]],
+    """(node id, GPU id) of every global rank: checksums of the host name and of the GPU's identity (its UUID or
+    PCI bus id, not its logical index: under per-task binding every rank's GPU is cuda:0)."""
+    facts = device_facts(grid.device)
+    mine = torch.tensor([[zlib.crc32(socket.gethostname().encode()), zlib.crc32(facts["identity"].encode())]],
                         dtype=torch.int64, device=grid.device)
     if grid.world_size == 1:
         return [tuple(mine[0].tolist())]
@@ -73,7 +82,7 @@ def environment_checks(grid: Grid, precision: str) -> tuple[list[Check], dict]:
     checks.append(Check("environment", "device", "pass" if on_gpu else "warn",
                         f"{dev['name']}, {dev['memory_gib']} GiB, {dev['visible']} visible on rank 0's node" if on_gpu
                         else "no GPU: the checks run on the CPU with gloo", dev))
-    shared = len(placement) - len(set(placement))
+    shared = shared_gpus(placement)
     checks.append(Check("environment", "one device per rank", verdict(not on_gpu or shared == 0),
                         f"{grid.world_size} ranks on {facts['nodes']} node(s)"
                         + (f", {shared} rank(s) share a GPU with another" if on_gpu and shared else ""),

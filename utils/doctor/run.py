@@ -21,7 +21,6 @@ import torch
 
 from distributed.collectives import all_reduce, barrier
 from utils import ConfigError, exit_bad_input, require
-from utils.engine.preemption import take_early_stop
 from utils.cli import local_launch
 from utils.cli.config import load_config
 from utils.cli.launch import die_with_parent, free_port, rank_env
@@ -32,6 +31,7 @@ from utils.doctor.environment import environment_checks, node_of_every_rank
 from utils.doctor.layers import layer_checks
 from utils.doctor.report import STATUSES, Check, default_out_dir, exit_status, markdown, write_report
 from utils.doctor.training import training_checks
+from utils.engine.preemption import take_early_stop
 
 ROOT = Path(__file__).resolve().parents[2]
 # option -> (default on a GPU, default on the CPU): what a few minutes buy on each

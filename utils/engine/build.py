@@ -94,8 +94,9 @@ def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltM
 
 def flops_per_sample(cfg: Config, task, model: nn.Module) -> float:
     """Training FLOPs of one sample of the full serial `model` (any device, meta included)."""
+    causal = any(getattr(m, "causal", False) is True for m in model.modules())  # attention cores say it
     return training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(), cfg.model.depth,
-                                     cfg.model.embed_dim)
+                                     cfg.model.embed_dim, causal)
 
 
 def pipeline_plan(cfg: Config) -> PipelinePlan:

@@ -7,6 +7,11 @@ starts for `timeout_s`, the watchdog writes every thread's stack to
 `<run.dir>/hang_rank<r>.txt`, prints one line naming the rank and the phase it is stuck in, and exits
 the process with EXIT_HANG; the launcher (train_mp.py, torchrun, srun --kill-on-bad-exit) then stops
 the other ranks, the stopped one included.
+
+For the stacks to be written the step watchdog must fire before the backend's own: NCCL's watchdog thread
+aborts a collective that outlives its group's timeout and kills the process without a stack. While the loop
+runs, every process group's timeout is raised to `trainer.hang_timeout_s` + 120 s
+(distributed/timeouts.py `watchdog_safe_timeout`) and put back (`parallel.init_timeout_s`) after it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from distributed.timeouts import restore_group_timeouts, set_group_timeouts, watchdog_safe_timeout
+
 EXIT_HANG = 77
 
 
@@ -28,6 +35,7 @@ class StepWatchdog:
         self.timeout_s, self.run_dir, self.rank = timeout_s, Path(run_dir), rank
         self.current, self.since = "start", time.monotonic()
         self._done = threading.Event()
+        self._timeouts: dict[str, float] = {}  # the groups' timeouts before the loop (none in one process)
 
     def phase(self, name: str) -> None:
         """Progress: the rank now enters `name`."""
@@ -36,11 +44,13 @@ class StepWatchdog:
     def __enter__(self) -> StepWatchdog:
         if self.timeout_s > 0:
             self.phase("data")
+            self._timeouts = set_group_timeouts(watchdog_safe_timeout(self.timeout_s))  # the backend fires later
             threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._done.set()
+        restore_group_timeouts(self._timeouts)  # each group's own again (init_grid's parallel.init_timeout_s)
 
     def _watch(self) -> None:
         while not self._done.wait(min(1.0, self.timeout_s / 4)):
