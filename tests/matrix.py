@@ -10,7 +10,7 @@ typed config's validation (`Config.__post_init__`, via `dataclasses.replace` on 
 per model), the grid check against the world size, and the batch check (`build_run` makes the same three
 before any work). A refused case carries that one-line error.
 
-`covering_set()`: every pair of (factor, value) settings that occurs together in some accepted case
+`covering_set()` (cached in tests/data/matrix_cases.json, recomputed when the code or configs change): every pair of (factor, value) settings that occurs together in some accepted case
 occurs in at least one accepted case of the set (greedy all-pairs: each pick covers the most pairs still
 uncovered, the cheaper case first among equals), and every pair that occurs only in refused cases gets
 one refused case, whose refusal the matrix then checks, unless every case holding it holds a more general
@@ -22,17 +22,24 @@ such pair (`_causes`: hierarchical with pp=2 is refused because hierarchical at 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 from tests.helpers import NARROW, TINY_GPT
 from utils import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 MAX_WORLD = 4
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "tests" / "data" / "matrix_cases.json"  # the covering set, with the fingerprint it was made from
+SOURCES = ("config", "distributed", "networks", "utils", "tests/matrix.py", "tests/helpers.py")
 FACTORS = {
     "model": ("vit", "gpt", "llama"),
     "tp": (1, 2),
@@ -57,6 +64,11 @@ MODEL_ARGS = {
     "llama": ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=2048", "trainer.global_batch_size=16",
               *NARROW],
 }
+
+
+class Mismatch(AssertionError):
+    """A matrix comparison failed: the case ran and trained (or refused) something other than predicted, as
+    opposed to a crash (tests/planted_bugs.py counts only these as kills)."""
 
 
 @dataclass(frozen=True)
@@ -208,8 +220,39 @@ def _cost(case: Case) -> tuple:
     return (case.world, case.grad_accum_steps, case.name)
 
 
+def fingerprint() -> str:
+    """A digest of everything a case's verdict can depend on: the configs, the code below the command line
+    and this module (its factors and models)."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        path = ROOT / source
+        for file in sorted([path] if path.is_file() else [*path.rglob("*.py"), *path.rglob("*.yaml")]):
+            digest.update(str(file.relative_to(ROOT)).encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 @cache
 def covering_set() -> tuple[tuple[Case, ...], tuple[tuple[Case, str], ...]]:
+    """`compute_covering_set()`, read from CACHE when its fingerprint is the tree's, else computed and written
+    there (so a collection costs a read, not the 10728 verdicts: about 9 s of CPU per pytest worker)."""
+    current = fingerprint()
+    try:
+        saved = json.loads(CACHE.read_text())
+        if saved["fingerprint"] == current:
+            return (tuple(Case(**c) for c in saved["accepted"]),
+                    tuple((Case(**c), why) for c, why in saved["refused"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    accepted, refused = compute_covering_set()
+    data = {"fingerprint": current, "accepted": [dataclasses.asdict(c) for c in accepted],
+            "refused": [(dataclasses.asdict(c), why) for c, why in refused]}
+    partial = CACHE.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(data, indent=0) + "\n")
+    partial.replace(CACHE)  # atomic: pytest workers may write it at once
+    return accepted, refused
+
+
+def compute_covering_set() -> tuple[tuple[Case, ...], tuple[tuple[Case, str], ...]]:
     """(accepted cases covering every pair that an accepted case has, refused cases with their errors
     covering the pairs only refused cases have)."""
     verdicts = {case: refusal(case) for case in space()}

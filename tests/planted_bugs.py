@@ -1,55 +1,180 @@
-"""Prove the combination matrix by breaking things: `python -m tests.planted_bugs [NAME ...] [--first]`.
+"""Prove the combination matrix by breaking things: `python -m tests.planted_bugs [NAME ...] [--first]
+[--report FILE]`.
 
-Each plant is a realistic defect of combination code, written as one text edit. For each, the tree is
-copied to a temporary folder, the edit applied there (it must match exactly once, so a plant that no
-longer fits the code fails loudly instead of testing nothing), and the matrix's accepted cases
-(tests/test_matrix.py) run on the copy; a plant is killed when at least one case fails. Prints a line per
-plant (failed / run cases) and the kill count. `--first` stops each run at its first failure (faster).
-Not part of the suite: it runs the matrix once per plant.
+Each plant is a realistic defect of one mechanism (dp averaging, a tp mapping, a cp variant, the pipeline's
+loss scaling, FSDP's precision, the initialisation, ...), written as text edits that must each match the
+code exactly once (a plant that no longer fits the code fails loudly instead of testing nothing). The
+planted text calls `_plant_hit()`, which the harness appends to each edited file: it touches a marker file,
+so a plant whose code never ran is reported as such. For each plant:
+
+1. the tree is copied and planted, and the matrix cases the plant targets (`Plant.targets`, over the
+   covering set of tests/matrix.py, cheapest first) run on the copy through pytest;
+2. a case counts as a kill only when a matrix comparison failed (`tests.matrix.Mismatch`: a curve, a gradient
+   norm, the checkpoint's keys and shapes, the attention check, an exit status or refusal line the trainer's
+   checks predict). A crash, a setup error or a timeout is a broken plant, not a kill;
+3. the killing case must pass on the unplanted copy (run once per case, cached), or the plant is reported as
+   proving nothing (a baseline failure);
+4. the marker must exist: the planted path ran.
+
+`--first` stops each plant's run at its first failing case (CI runs that: .ci/run). The outcome of every case
+is read from a file this module writes as a pytest plugin (`-p tests.planted_bugs`). Exit status 0 when every
+plant is killed, 1 otherwise. Results: docs/testing.md.
 """
 
 from __future__ import annotations
 
-import re
+import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+OUTCOMES_VAR, MARKER_VAR = "DLSCALE_PLANT_OUTCOMES", "DLSCALE_PLANT_MARKER"
+ACCEPTED_TEST = "tests/test_matrix.py::test_accepted_combination_follows_the_single_process_run"
+REFUSED_TEST = "tests/test_matrix.py::test_refused_combination_exits_2_with_one_line"
+HIT = '''
 
-PLANTS = {  # name -> (what the defect does, [(file, text in the fixed code, the defect's text), ...])
-    "fsdp_pp_bf16_dtype": (
-        "issue 23 item 1: FSDP2's bf16 policy casts block inputs, so a stage's output is bf16, unchecked",
-        [("distributed/fsdp.py", "policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)",
-          "policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \\\n"
-          "        if precision == 'bf16' else MixedPrecisionPolicy()"),
+def _plant_hit(value=None):  # appended by tests/planted_bugs.py: the planted code ran
+    import os
+
+    if os.environ.get("DLSCALE_PLANT_MARKER"):
+        open(os.environ["DLSCALE_PLANT_MARKER"], "a").close()
+    return value
+'''
+
+
+@dataclass(frozen=True)
+class Plant:
+    mechanism: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]  # (file, the fixed code's text, the defect's text)
+    targets: Callable  # Case -> bool: the matrix cases where the mechanism acts
+    refused: bool = False  # the refused cases it targets too (a wrong acceptance)
+
+
+def _v_schedule(case) -> bool:
+    return case.schedule in ("zbv", "dualpipev")  # first and last stage on the same rank
+
+
+PLANTS = {
+    "ddp_divides_by_dp_x_cp": Plant(
+        "dp averaging", "DDP's hook divides the gradients summed over dp x cp by the group size, not by dp",
+        (("distributed/data_parallel.py", "ddp.register_comm_hook((axis, grid.batch.size)",
+          "ddp.register_comm_hook((axis, _plant_hit(axis.size))"),),
+        lambda c: c.dp_mode == "ddp" and c.cp > 1),
+    "accumulation_syncs_first_micro": Plant(
+        "gradient accumulation", "the dp reduction runs after the first micro-batch instead of the last",
+        (("utils/engine/trainer.py", "sync = i == micro - 1", "sync = _plant_hit(i == 0)"),),
+        lambda c: c.grad_accum_steps > 1 and c.dp_mode is not None and c.pp == 1),
+    "pipeline_loss_ignores_accumulation": Plant(
+        "pipeline loss scaling", "each microbatch loss is divided by the microbatches of one accumulation step only",
+        (("distributed/pipeline/schedule.py", "self.divisor, self.scale = accum * self.plan.microbatches, scale",
+          "self.divisor, self.scale = _plant_hit(self.plan.microbatches), scale"),),
+        lambda c: c.pp > 1 and c.grad_accum_steps > 1),
+    "partial_grads_skip_vectors": Plant(
+        "tp partial gradients", "the sum of partial gradients over tp skips 1-D parameters (norms, row biases)",
+        (("distributed/data_parallel.py", "        sum_grads(params, axis)\n",
+          "        sum_grads(_plant_hit([p for p in params if p.dim() > 1]), axis)\n"),),
+        lambda c: c.tp > 1),
+    "tp_copy_skips_grad_sum": Plant(
+        "tp column/row mapping", "the column-parallel input's backward (Megatron's f) does not all-reduce dX",
+        (("distributed/mappings.py", "return all_reduce(grad, ctx.axis), None", "return _plant_hit(grad), None"),),
+        lambda c: c.tp > 1 and c.sequence_parallel is False),
+    "sp_gather_linear_keeps_own_chunk": Plant(
+        "sp gather/scatter", "the sequence-parallel gather before a linear keeps its own chunk of dX, unsummed",
+        (("distributed/mappings.py", "grad_x = reduce_scatter(grad.matmul(w), ctx.axis, ctx.dim, ctx.via)",
+          "grad_x = own_chunk(_plant_hit(grad.matmul(w)), ctx.axis, ctx.dim).contiguous()"),),
+        lambda c: c.tp > 1 and c.sequence_parallel is True),
+    "cp_allgather_key_grads_unsummed": Plant(
+        "cp all-gather", "K is all-gathered by a gather whose backward keeps the own chunk: dK of other ranks' "
+        "queries is lost",
+        (("distributed/context/attention.py", "k_all = all_gather_region(k, shards.axis, 2, shards.sizes)",
+          "k_all = _plant_hit(gather_from_region)(k, shards.axis, 2, shards.sizes)"),
+         ("distributed/context/attention.py", "from distributed.mappings import all_gather_region,",
+          "from distributed.mappings import gather_from_region, all_gather_region,")),
+        lambda c: c.cp_attention == "allgather"),
+    "ring_scores_under_autocast": Plant(
+        "cp ring", "the ring's scores, row max, sums and LSE follow autocast (bf16, fp16)",
+        (("distributed/context/ring.py", "with torch.autocast(q.device.type, enabled=False):",
+          "with _plant_hit(contextlib.nullcontext()):"),
+         ("distributed/context/ring.py", "\nimport torch\n", "\nimport contextlib\n\nimport torch\n")),
+        lambda c: c.cp_attention == "ring" and c.precision != "fp32"),
+    "alltoall_drops_causal": Plant(
+        "cp all-to-all", "the all-to-all variant attends without the causal mask",
+        (("distributed/context/attention.py", "out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, "
+          "is_causal=self.causal,", "out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, "
+          "is_causal=_plant_hit(False),"),),
+        lambda c: c.cp_attention == "alltoall" and c.model != "vit"),
+    "hierarchical_ring_drops_positions": Plant(
+        "cp hierarchical", "the ring across groups runs without the tokens' positions (no causal mask)",
+        (("distributed/context/attention.py", "positions if self.causal else None, bounds)",
+          "_plant_hit(None), bounds)"),),
+        lambda c: c.cp_attention == "hierarchical" and c.model != "vit"),
+    "fsdp_casts_params_to_bf16": Plant(
+        "FSDP mixed precision", "issue 23 item 1: FSDP2's policy casts parameters (and so stage outputs) to bf16",
+        (("distributed/fsdp.py", "policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)",
+          "policy = MixedPrecisionPolicy(param_dtype=_plant_hit(torch.bfloat16), reduce_dtype=torch.float32)"),
          ("distributed/pipeline/stages.py", "if x.dtype != self.activation_dtype or tuple(x.shape) != shape:",
-          "if tuple(x.shape) != shape:")]),
-    "ring_scores_under_autocast": (
-        "issue 23 item 2: the ring's scores, row max, sums and LSE follow autocast (bf16)",
-        [("distributed/context/ring.py", "with torch.autocast(q.device.type, enabled=False):",
-          "with contextlib.nullcontext():"),
-         ("distributed/context/ring.py", "\nimport torch\n", "\nimport contextlib\n\nimport torch\n")]),
-    "checkpoint_wrapper_names": (
-        "issue 23 item 3: Adam state named from named_parameters(), wrapper prefixes included",
-        [("utils/checkpoints/sharded_state.py", "    params = parameter_names(model)\n",
-          "    params = dict(model.named_parameters(remove_duplicate=False))\n")]),
-    "ddp_divides_by_dp_x_cp": (
-        "DDP's hook divides the gradients summed over dp x cp by the group size (dp x cp), not by dp",
-        [("distributed/data_parallel.py", "ddp.register_comm_hook((axis, grid.batch.size)",
-          "ddp.register_comm_hook((axis, axis.size)")]),
-    "pipeline_loss_ignores_accumulation": (
-        "the pipeline divides each microbatch loss by the microbatches of one accumulation step only",
-        [("distributed/pipeline/schedule.py", "self.divisor, self.scale = accum * self.plan.microbatches, scale",
-          "self.divisor, self.scale = self.plan.microbatches, scale")]),
-    "partial_grads_skip_vectors": (
-        "the sum of partial gradients over tp skips 1-D parameters (sequence-parallel norms, row biases)",
-        [("distributed/data_parallel.py", "        sum_grads(params, axis)\n",
-          "        sum_grads([p for p in params if p.dim() > 1], axis)\n")]),
+          "if tuple(x.shape) != shape:")),
+        lambda c: c.dp_mode == "fsdp"),
+    "checkpoint_wrapper_names": Plant(
+        "activation checkpointing", "issue 23 item 3: Adam state named from named_parameters(), the activation "
+        "checkpointing wrapper's prefixes included",
+        (("utils/checkpoints/sharded_state.py", "    params = parameter_names(model)\n",
+          "    params = _plant_hit(dict(model.named_parameters(remove_duplicate=False)))\n"),),
+        lambda c: c.activation_checkpointing),
+    "tied_embedding_grads_unsummed": Plant(
+        "tied embeddings", "the pipeline's first and last stage do not sum their tied embedding gradients",
+        (("distributed/pipeline/schedule.py", "all_reduce_(self.tied.grad, ends)", "_plant_hit(self.tied.grad)"),),
+        lambda c: c.model == "gpt" and c.pp > 1 and not _v_schedule(c)),
+    "init_columns_from_zero": Plant(
+        "initialisation", "a column shard draws its rows' values and keeps the first columns, not its own",
+        (("networks/initialization.py", "values = values.narrow(dim, offsets[dim], piece.shape[dim])",
+          "values = values.narrow(dim, _plant_hit(0), piece.shape[dim])"),),
+        lambda c: c.tp > 1),
+    "pipeline_loss_unscaled": Plant(
+        "loss scaler", "the pipeline's backward runs on the unscaled loss while the scaler unscales the gradients",
+        (("utils/engine/trainer.py", "self.tc.grad_accum_steps, self.scaler.scale)",
+          "self.tc.grad_accum_steps, _plant_hit(lambda loss: loss))"),),
+        lambda c: c.precision == "fp16" and c.pp > 1),
+    "pipeline_stream_in_bf16": Plant(
+        "stage boundary precision (bf16 only)", "the residual stream leaves a stage rounded to the autocast dtype",
+        (("distributed/pipeline/stages.py", "            if self.is_last:\n                return getattr(model, "
+          "self.last_part)(x)\n", "            if self.is_last:\n                return getattr(model, "
+          "self.last_part)(x)\n            if torch.is_autocast_enabled(x.device.type):\n"
+          "                x = _plant_hit(x.to(torch.get_autocast_dtype(x.device.type)).float())\n"),),
+        lambda c: c.pp > 1 and c.precision == "bf16"),
 }
 
+
+# ---- the pytest plugin (`-p tests.planted_bugs`): each matrix case's outcome, classified ----
+
+def pytest_runtest_makereport(item, call):
+    path = os.environ.get(OUTCOMES_VAR)
+    if not path or call.when == "teardown" or (call.when == "setup" and call.excinfo is None):
+        return None
+    from tests.matrix import Mismatch
+
+    excinfo = call.excinfo
+    if excinfo is None:
+        kind = "passed"
+    elif excinfo.typename == "Skipped":
+        kind = "skipped"
+    else:
+        kind = "mismatch" if excinfo.errisinstance(Mismatch) else "crash"
+    line = "" if excinfo is None else (str(excinfo.value).strip().splitlines() or [excinfo.typename])[0][:300]
+    with open(path, "a") as out:
+        out.write(json.dumps({"case": item.callspec.id, "kind": kind, "why": line}) + "\n")
+    return None
+
+
+# ---- the harness ----
 
 def copy_tree(dest: Path) -> None:
     """The working tree as git sees it (tracked and untracked files, not ignored ones) into `dest`."""
@@ -61,45 +186,130 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(ROOT / name, dest / name)
 
 
-def plant(tree: Path, edits: list[tuple[str, str, str]]) -> None:
+def plant(tree: Path, edits: tuple[tuple[str, str, str], ...]) -> None:
+    """Apply the edits (each text must occur exactly once) and append `_plant_hit` to each edited file."""
     for file, old, new in edits:
         path = tree / file
         text = path.read_text()
         if text.count(old) != 1:
             raise SystemExit(f"error: the plant's text occurs {text.count(old)} times in {file}, not once: "
-                             "update PLANTS")
+                             "update PLANTS in tests/planted_bugs.py")
         path.write_text(text.replace(old, new))
+    for file in {file for file, _, _ in edits}:
+        with open(tree / file, "a") as out:
+            out.write(HIT)
 
 
-def run_matrix(tree: Path, first: bool) -> tuple[int, int, str]:
-    """(failed, run, pytest's last line) of the matrix's accepted cases on `tree`."""
-    args = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_matrix.py",
-            "-k", "accepted", *(["-x"] if first else [])]
-    proc = subprocess.run(args, cwd=tree, capture_output=True, text=True)
-    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (failed|passed|error)", last)}
-    failed = counts.get("failed", 0) + counts.get("error", 0)
-    return failed, failed + counts.get("passed", 0), last
+def targeted(p: Plant) -> list[tuple[str, str]]:
+    """(test, case id) of the matrix cases `p` targets, fp32 first (the cheapest on any CPU), then by size."""
+    from tests.matrix import covering_set
+
+    accepted, refused = covering_set()
+    cases = [(ACCEPTED_TEST, c) for c in accepted if p.targets(c)]
+    cases += [(REFUSED_TEST, c) for c, _ in refused if p.refused and p.targets(c)]
+    cases.sort(key=lambda tc: (tc[1].precision != "fp32", tc[1].world, tc[1].grad_accum_steps, tc[1].name))
+    return [(test, c.name) for test, c in cases]
+
+
+def run_cases(tree: Path, cases: list[tuple[str, str]], first: bool, marker: Path | None = None) -> list[dict]:
+    """Each case's outcome ({case, kind, why}) of a pytest run of `cases` on `tree`."""
+    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+        outcomes = Path(f.name)
+    env = {**os.environ, OUTCOMES_VAR: str(outcomes)}
+    env.pop(MARKER_VAR, None)
+    if marker is not None:
+        env[MARKER_VAR] = str(marker)
+    args = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-p",
+            "tests.planted_bugs", *(["-x"] if first else []), *(f"{test}[{case}]" for test, case in cases)]
+    proc = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
+    rows = [json.loads(line) for line in outcomes.read_text().splitlines()]
+    outcomes.unlink()
+    if not rows and proc.returncode != 0:  # nothing ran: a collection error of the planted copy
+        last = (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines() or ["?"])[-1]
+        rows = [{"case": "collection", "kind": "crash", "why": last}]
+    return rows
+
+
+@dataclass
+class Verdict:
+    name: str
+    status: str  # killed, survived, broken, baseline
+    case: str = ""
+    why: str = ""
+    cases_run: int = 0
+    targeted: int = 0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        p = PLANTS[self.name]
+        where = {"killed": f"by {self.case}", "survived": f"{self.cases_run} of {self.targeted} cases passed",
+                 "broken": f"{self.case}: {self.why}",
+                 "baseline": f"{self.case} fails unplanted too: {self.why}"}[self.status]
+        return f"{self.name} ({p.mechanism}): {self.status.upper()} {where} [{self.seconds:.0f} s]"
+
+
+class Harness:
+    def __init__(self, workdir: Path, first: bool):
+        self.workdir, self.first = workdir, first
+        self.base: Path | None = None
+        self.baseline: dict[tuple[str, str], dict] = {}
+
+    def unplanted(self, test: str, case: str) -> dict:
+        if self.base is None:
+            self.base = self.workdir / "unplanted"
+            copy_tree(self.base)
+        if (test, case) not in self.baseline:
+            self.baseline[(test, case)] = run_cases(self.base, [(test, case)], True)[0]
+        return self.baseline[(test, case)]
+
+    def judge(self, name: str) -> Verdict:
+        start, p = time.monotonic(), PLANTS[name]
+        cases = targeted(p)
+        verdict = Verdict(name, "survived", targeted=len(cases))
+        if not cases:
+            verdict.status, verdict.case, verdict.why = "broken", "-", "no matrix case targets it"
+            return verdict
+        tree, marker = self.workdir / name, self.workdir / f"{name}.hit"
+        copy_tree(tree)
+        plant(tree, p.edits)
+        rows = run_cases(tree, cases, self.first, marker)
+        verdict.cases_run = sum(r["kind"] in ("passed", "mismatch", "crash") for r in rows)
+        bad = next((r for r in rows if r["kind"] in ("mismatch", "crash")), None)
+        if bad is not None:
+            verdict.case, verdict.why = bad["case"], bad["why"]
+            test = next(t for t, c in cases if c == bad["case"]) if bad["case"] != "collection" else ""
+            if bad["kind"] == "crash":
+                verdict.status = "broken"
+            elif (base := self.unplanted(test, bad["case"]))["kind"] != "passed":
+                verdict.status, verdict.why = "baseline", base["why"]
+            elif not marker.exists():
+                verdict.status, verdict.why = "broken", "the planted code never ran"
+            else:
+                verdict.status = "killed"
+        verdict.seconds = time.monotonic() - start
+        shutil.rmtree(tree, ignore_errors=True)
+        return verdict
 
 
 def main(argv: list[str]) -> int:
     first = "--first" in argv
-    names = [a for a in argv if not a.startswith("--")] or list(PLANTS)
+    report = argv[argv.index("--report") + 1] if "--report" in argv else None
+    names = [a for a in argv if not a.startswith("--") and a != report] or list(PLANTS)
     unknown = [n for n in names if n not in PLANTS]
     if unknown:
         print(f"error: unknown plant {unknown[0]} (NAME): choose from {', '.join(PLANTS)}", file=sys.stderr)
         return 2
-    killed = 0
-    for name in names:
-        what, edits = PLANTS[name]
-        with tempfile.TemporaryDirectory(prefix=f"plant_{name}_") as tmp:
-            tree = Path(tmp)
-            copy_tree(tree)
-            plant(tree, edits)
-            failed, run, last = run_matrix(tree, first)
-        killed += failed > 0
-        print(f"{name}: {'KILLED' if failed else 'SURVIVED'} ({failed} of {run} cases failed; {what})", flush=True)
+    verdicts = []
+    with tempfile.TemporaryDirectory(prefix="plants_") as tmp:
+        harness = Harness(Path(tmp), first)
+        for name in names:
+            verdicts.append(harness.judge(name))
+            print(verdicts[-1].line(), flush=True)
+    killed = sum(v.status == "killed" for v in verdicts)
     print(f"killed {killed} of {len(names)} planted bugs")
+    if report:
+        Path(report).write_text(json.dumps([v.__dict__ | {"mechanism": PLANTS[v.name].mechanism}
+                                            for v in verdicts], indent=1) + "\n")
     return 0 if killed == len(names) else 1
 
 
