@@ -63,6 +63,7 @@ class TrainerConfig:
     preempt_deadline_s: float = 120.0  # after SIGTERM/SIGUSR1: seconds to finish the step and checkpoint
     nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm ends the run, or skips the update
     max_skipped_steps: int = 10  # with nonfinite=skip: stop after this many consecutive skipped steps
+    device: str = "auto"  # auto: a GPU per local rank (refused with fewer GPUs than ranks) or the CPU without GPUs | cpu
     hang_timeout_s: float = 1800.0  # a rank with no progress this long dumps its stacks and exits; 0 = off
     ckpt_async: bool = False  # write checkpoints from a background thread (one in flight) while training goes on
     profile: bool = False  # torch.profiler trace and top-operator table of profile_steps (utils/engine/profiling.py)
@@ -86,6 +87,7 @@ class TrainerConfig:
                 "trainer.nonfinite", "choose stop or skip")
         require(self.max_skipped_steps > 0, "max_skipped_steps must be positive", "trainer.max_skipped_steps",
                 "set a positive number of steps")
+        require(self.device in ("auto", "cpu"), f"unknown device {self.device!r}", "trainer.device", "choose auto or cpu")
         require(self.hang_timeout_s >= 0, "hang_timeout_s must be >= 0", "trainer.hang_timeout_s",
                 "set 0 (off) or the seconds a step, validation or checkpoint may take at most")
         steps = self.profile_steps

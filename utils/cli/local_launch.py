@@ -7,7 +7,8 @@ line (`python train.py key=value ...`), which every local rank runs.
 
 `launch_main` is `python train_mp.py`: it starts world = tp*cp*pp*dp ranks (dp = parallel.dp, or 1 when it
 is derived; or `--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs (a new
-interpreter running train.py), else CPU processes on gloo (forks of this one). Returns the first non-zero
+interpreter running train.py), CPU processes on gloo (forks of this one) on a machine without GPUs or with
+`trainer.device=cpu`; fewer GPUs than ranks is refused (exit 2, one line) before anything starts. Returns the first non-zero
 exit status; when a rank fails, the others are stopped at once. Stop signals (SIGTERM, SIGUSR1, SIGUSR2,
 SIGHUP, SIGINT) are forwarded to the ranks, which checkpoint and exit (status 75); a rank never outlives the launcher.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from utils import ConfigError, exit_bad_input
+from utils import ConfigError, exit_bad_input, require
 from utils.cli.config import load_config
 from utils.cli.launch import LaunchEnv, die_with_parent, free_port, launch_env, rank_env, ranks_needed
 from utils.comm import check_grid, destroy_grid
@@ -81,13 +82,25 @@ def parse_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
     return nproc, rest
 
 
-def world_size(argv: list[str], nproc: int | None) -> int:
-    """Ranks the grid needs (validated like train.py does, before anything starts)."""
+def gpus_for_ranks(device: str, world: int, visible: int) -> bool:
+    """Whether `world` local ranks get a GPU each (else they run on the CPU over gloo): with `trainer.device`
+    auto, when this machine has GPUs at all; fewer GPUs than ranks is refused rather than quietly run on
+    the CPU. `visible`: the GPUs this process sees."""
+    if device == "cpu" or visible == 0:
+        return False
+    require(visible >= world, f"{world} ranks but {visible} GPU(s) visible, and the CPU was not asked for",
+            "trainer.device", f"start at most {visible} ranks (parallel=..., --nproc), or set trainer.device=cpu")
+    return True
+
+
+def launch_plan(argv: list[str], nproc: int | None) -> tuple[int, bool]:
+    """(ranks the grid needs, whether each gets a GPU), validated like train.py does, before anything starts."""
     cfg, _, _ = load_config(argv)
     p = cfg.parallel
     world = nproc or ranks_needed(p)
     check_grid(p, LaunchEnv(world_size=world))
-    return world
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return world, gpus_for_ranks(cfg.trainer.device, world, visible)
 
 
 def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -156,10 +169,10 @@ def launch_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         nproc, argv = parse_nproc(argv)
-        world = world_size(argv, nproc)
+        world, use_gpus = launch_plan(argv, nproc)
     except ConfigError as err:
         exit_bad_input(err)
-    return launch(argv, world)
+    return launch(argv, world, use_gpus)
 
 
 class ForkedRank:
@@ -222,11 +235,11 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
-def launch(argv: list[str], world: int) -> int:
-    """Start `world` local ranks of train.py's command line with `argv`, supervise them, return the job's
-    exit status. With GPUs each rank is a new interpreter; on a machine without one, a fork of this one."""
+def launch(argv: list[str], world: int, use_gpus: bool) -> int:
+    """Start `world` local ranks of train.py's command line with `argv` (on a GPU each with `use_gpus`, else on
+    the CPU), supervise them, return the job's exit status. On a machine with GPUs each rank is a new
+    interpreter (CPU ranks hidden from the GPUs); on a machine without one, a fork of this one."""
     gpus = torch.cuda.is_available()
-    use_gpus = gpus and torch.cuda.device_count() >= world
     port = free_port()
     print(f"train_mp: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
     early = take_early_stop()  # before forking: a forked rank must not inherit it and clear what it is sent

@@ -183,9 +183,8 @@ class DoctorRank(local_launch.ForkedRank):
         return local_launch.ForkedRank._run_rank(env, argv)
 
 
-def launch(argv: list[str], world: int) -> int:
+def launch(argv: list[str], world: int, use_gpus: bool) -> int:
     """Start `world` local ranks of the doctor (local_launch.launch's way, with the doctor's command)."""
-    use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world
     port = free_port()
     print(f"doctor: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
     early = take_early_stop()  # before forking (local_launch.launch's reason)
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         options, rest = parse_options(argv)
         cfg, _, _ = load_config(rest)
         if local_launch.starts_local_ranks(cfg):
-            return launch(argv, local_launch.world_size(rest, None))
+            return launch(argv, *local_launch.launch_plan(rest, None))
     except ConfigError as err:
         exit_bad_input(err)
     return rank_command(argv)

@@ -4,8 +4,11 @@ Both runs are the real trainer (utils.engine.build.build_trainer, as train.py an
 `Trainer.train_step`s on the same global batches: random inputs of the training shapes drawn from a fixed seed
 per step (no data files), each batch rank given its slice. The layout's losses and gradient norms must follow the
 single-device run's within the project's layout contract (tests/test_matrix.py, which compares both): relative 1e-4
-in fp32, 8 unit roundoffs of the autocast dtype's mantissa in bf16 (3.1e-2), tf32 and fp16 (3.9e-3). The single-device run is rank 0's
-alone, built after the layout's trainer is freed; a model that does not fit one device is reported as such.
+in fp32, 8 unit roundoffs of the autocast dtype's mantissa in bf16 (3.1e-2), tf32 and fp16 (3.9e-3). Every rank runs
+the single-device curve on its own device at once, after the layout's trainer is freed (Python's garbage collected
+and the CUDA allocator's cache emptied, utils/engine/device.py `free_memory`): no rank waits in a collective while
+another computes (an NCCL barrier would give up after parallel.init_timeout_s), and the ranks' verdicts are combined
+as every check's are. A model that does not fit one device is reported as such.
 Then the layout's trainer is timed as utils.bench times it: samples/s, TFLOP/s per device and MFU
 (utils.engine.flops), peak memory.
 """
@@ -20,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from distributed.collectives import barrier, broadcast_object
 from utils.bench.train_step import time_steps
 from utils.comm import Grid, ParallelConfig
 from utils.doctor.report import Check
 from utils.engine.build import build_trainer
+from utils.engine.device import free_memory
 from utils.engine.memory import peak_memory_gib
 from utils.tasks import build_task
 
@@ -78,13 +81,11 @@ def deviation(layout: dict[str, list[float]], single: dict[str, list[float]]) ->
 
 
 def curve_check(cfg, grid: Grid, losses: dict[str, list[float]], steps: int, tmp: Path) -> Check:
-    """Rank 0 runs the single-device curve while the others wait; every rank gets the same verdict."""
+    """This rank's single-device curve against the layout's (every rank at once, no collective)."""
     if grid.world_size == 1:
         return Check("layout", "single-device curve", "pass", "the layout is one device: nothing to compare",
                      {"layout": losses})
-    single = serial_curve(cfg, grid.device, steps, tmp) if grid.is_main else None
-    barrier(grid.world)
-    single = broadcast_object(single, grid.world)
+    single = serial_curve(cfg, grid.device, steps, tmp)
     if isinstance(single, str):
         return Check("layout", f"{grid.name} vs single device, {steps} steps", "warn", single, {"layout": losses})
     worst, tol = deviation(losses, single), TOLERANCE[cfg.precision.mode]
@@ -115,6 +116,5 @@ def training_checks(cfg, grid: Grid, steps: int, timed_steps: int) -> list[Check
         losses = curve(trainer, steps)
         perf = throughput_check(trainer, 1, timed_steps)
         del trainer
-        if grid.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(grid.device)  # what the layout's trainer held, before the single-device model is built
         return [curve_check(cfg, grid, losses, steps, Path(tmp)), perf]
