@@ -21,9 +21,9 @@ comes from the trainer's autocast, exactly as under DDP. So FSDP bf16 trains the
 embeddings and every gradient stay fp32, and a block returns the dtype it was given, which the pipeline
 declares between its stages (distributed/pipeline/stages.py). The cost: the gathers move fp32 weights
 (twice the bytes of a bf16 gather) and autocast casts each gathered weight per use. The alternatives
-were measured and rejected (vit_tiny depth 2, 8 steps, dp2: DDP 0.49642, fp32 policy 0.49642):
-`param_dtype=bf16` casts each block's input, so the residual stream is bf16 (0.49675) and so is a
-stage's output (the next stage read those bytes as fp32: garbage, 0.85). `cast_forward_inputs=False`
+were measured and rejected (the losses: docs/measurements.md): `param_dtype=bf16` casts each block's
+input, so the residual stream is bf16 and so is a stage's output (the next stage read those bytes as
+fp32: garbage). `cast_forward_inputs=False`
 feeds the fp32 stream to bf16 layer-norm weights, which CPU layer_norm refuses ("mixed dtype (CPU):
 expect parameter to have scalar type of Float") and which round the norms' weights anyway;
 `output_dtype=fp32` keeps the stream bf16 inside each block and hits the same error at the final norm.

@@ -15,7 +15,7 @@ Hydra composed with the same `typed_config` as a single run and trains it with `
   under a submitit launcher with several tasks per point (hydra.launcher.tasks_per_node, nodes), each
   task is one rank: torch.distributed's variables come from submitit's view of the Slurm (or local) job.
 The basic launcher runs the points one after another and stops at the first that fails, with its exit
-status. Under a submitit launcher (utils/cli/submitit_job.py):
+status. Under a submitit launcher (`record_submitit_stops`, `end_submitit_point` below):
 - a point whose layout does not fit hydra.launcher.nodes x tasks_per_node is refused before any job is
   submitted (the one-line error, exit 2);
 - the trainer's stop is submitit's checkpoint: its time-limit signal (SIGUSR2, `signal_delay_s` ahead) and

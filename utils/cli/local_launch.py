@@ -177,8 +177,8 @@ def launch_main(argv: list[str] | None = None) -> int:
 
 class ForkedRank:
     """A CPU rank forked from this launcher, which has imported torch and checked the config already: it
-    starts at once instead of spending seconds of a shared core importing torch (a 4-rank tp2 x dp2 launch
-    of the tiny ViT took 10-13 s instead of 16-17 s on 2 cores, 2026-11-22). Used only where no GPU is
+    starts at once instead of spending seconds of a shared core importing torch (the figures:
+    docs/measurements.md). Used only where no GPU is
     usable: a process that has touched CUDA must not fork. The child runs `run_command` (train.py's
     command line) with the rank's torchrun variables and thread count, as a fresh process would; the
     launcher supervises it through the part of subprocess.Popen's interface that `supervise` and
