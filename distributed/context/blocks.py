@@ -198,6 +198,7 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     dtype = compute_dtype(q.dtype)
     if kind == "math":
         return block_backward(q.to(dtype), k, v, dout.to(dtype), delta, lse, mask, scale)
+    lse = lse.masked_fill(~torch.isfinite(lse), 0.0)  # a row that saw no key: p = exp(-inf) = 0, as block_backward
     dq, dk, dv = _KERNELS[kind][1](_heads(dout, group), _heads(q, group), _repeat(k, group), _repeat(v, group),
                                    _heads(out, group), lse_to_kernel(_heads(lse, group), kind), causal, scale,
                                    **_kernel_mask(mask, causal, q.shape[-2] // group, q.dtype))
