@@ -37,6 +37,9 @@ def test_table_of_every_variant_on_cp2(tmp_path):
     sent = {v: int(rows[v][2].replace(",", "")) for v in ("ring", "allgather", "alltoall")}
     assert sent["ring"] == 8 * block  # forward (cp-1) x 2 blocks, backward (cp-1) x 2 + cp x 2 (the ring's doc)
     assert sent["alltoall"] == 4 * block  # q, k, v, out there and back, (cp-1)/cp of each
+    # all-gather of K and V, (cp-1) x 2 blocks, and their gradients' reduce-scatter, an all-reduce on gloo:
+    # 2 x 2(cp-1)/cp x 2 blocks; together 6(cp-1)/cp x A with A = cp blocks (the README's table)
+    assert sent["allgather"] == 6 * block
     assert all(float(rows[v][0]) > 0 for v in sent) and float(rows["plain SDPA (one device)"][1]) == 1.0
     assert rows["hierarchical"][0].startswith("n/a: needs cp >= 4")
 

@@ -2,6 +2,7 @@
 pruning only after a successor is complete, refusal of another model, background saves, and no unpickling
 of arbitrary objects. (Resharding across layouts runs through the entry point in tests/test_layouts.py.)"""
 
+import contextlib
 import logging
 import os
 import pickle
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -235,13 +237,12 @@ def _rank0_disk_full(rank: int, world_size: int, tmp_path) -> None:
     grid = init_grid(ParallelConfig(dp=world_size))
     ck = Checkpointer(tmp_path, grid.world)
     ck.save(1, {"w": torch.full((4,), float(rank))}, {})
-    if rank == 0:  # rank 0 alone cannot write the next checkpoint's state file
-        real = Path.mkdir
-        Path.mkdir = lambda self, *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
-    with pytest.raises((OSError, RuntimeError), match="No space left on device"):
+    # rank 0 alone cannot write the next checkpoint's state file; the patch is undone also when the save does
+    # not raise (this process is the pool's: a Path.mkdir left broken would fail the next cases)
+    disk_full = (mock.patch.object(Path, "mkdir", side_effect=OSError(28, "No space left on device")) if rank == 0
+                 else contextlib.nullcontext())
+    with disk_full, pytest.raises((OSError, RuntimeError), match="No space left on device"):
         ck.save(2, {"w": torch.full((4,), float(rank))}, {})
-    if rank == 0:
-        Path.mkdir = real
     assert [p.name for p in ck.complete_steps()] == ["step_0000001"]
 
 

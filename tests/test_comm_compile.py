@@ -14,10 +14,10 @@ into one graph without a graph break, and that a new batch size (recompiled with
 byte counts are SymInts) still counts what eager counts, and that `count_compiled(False)` (the
 trainer's setting on steps that do not log comm bytes) takes the counting out of the compiled blocks
 without recompiling on every switch. (c) Checkpointed blocks compiled with
-aot_eager (the compiled backward saves the counter with a version check): they run, the forward
-counts exactly, and the total lies between the step without recomputation and the eager
-checkpointed step, which counts every recomputed forward collective (the partitioner recomputes
-only some, and does not count them again).
+aot_eager (the compiled backward saves the counter with a version check): they run and count exactly
+what the step without recomputation counts, forward and total, while the eager checkpointed step counts
+every recomputed forward collective again (its total is larger); a compiled recomputation that counted
+a collective again would fail.
 On 2 CPU cores the file takes ~17 s with a warm inductor cache, ~30 s with a cold one.
 """
 
@@ -111,7 +111,9 @@ def check_counting_switch(model: GPT, grid: Grid, counter: CompileCounterWithBac
 
 
 def check_checkpointed_blocks(grid: Grid) -> None:
-    """Checkpointed blocks compiled with aot_eager: forward exact, recomputation counted at most as eager."""
+    """Checkpointed blocks compiled with aot_eager: forward and backward bytes exactly the step's without
+    recomputation, to the byte (no recomputed collective counted again), below the eager checkpointed step's,
+    which counts every recomputed forward collective."""
     plain = step_bytes(build_gpt(grid, sp=True), grid)
     eager = build_gpt(grid, sp=True)
     wrap_blocks(eager, checkpoint=True, compile=False)
@@ -124,7 +126,7 @@ def check_checkpointed_blocks(grid: Grid) -> None:
         model.blocks[i].compile(backend=counter, fullgraph=True)
     for _ in range(2):
         forward, total = step_bytes(model, grid)
-        assert forward == want[0] and plain[1] <= total <= want[1], (forward, total, plain, want)
+        assert (forward, total) == plain and plain[1] < want[1], (forward, total, plain, want)
     assert counter.frame_count == 1, "the second step recompiled"
 
 
