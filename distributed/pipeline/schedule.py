@@ -18,6 +18,7 @@ point-to-point sends: validation and greedy decoding, for any input shape.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -42,7 +43,9 @@ class Pipeline:
         self.has_last = any(s.is_last for s in stages)
         self.losses: list[torch.Tensor] = []
         self.divisor, self.scale = 1, None
-        self.bubble = 0.0
+        self.bubble = float("nan")  # the measured idle fraction, mean over pp (see `train_step`)
+        self._timings: deque = deque()  # per step: (each stage's `take_busy`, start mark, end mark), not yet read
+        self._bubbles: deque = deque()  # per step: (its pp-mean idle on the host or on its way there, event)
         cls = getattr(torch_schedules, SCHEDULES[plan.schedule][0])
         first = stages[0] if plan.style == "single" else stages
         try:
@@ -59,8 +62,12 @@ class Pipeline:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, accum: int, scale) -> torch.Tensor:
         """Forward and backward of this rank's batch (every pp rank passes the same one); returns the
-        batch-mean loss on every pp rank (from the last stage) and sets `bubble` (mean idle fraction
-        over pp). `scale`: the loss scaler's scale function."""
+        batch-mean loss on every pp rank (from the last stage) and sets `bubble` (mean idle fraction over
+        pp) without a host synchronization: on GPUs the stages' events are read a step late and the fraction
+        reduced with the next step's loss, read a step after that, so `bubble` after step s is step s-2's
+        (NaN after the first two), and the trainer, which logs step s-1 after queuing step s, logs each
+        step's bubble with the next step; on the CPU `bubble` is step s's own.
+        `scale`: the loss scaler's scale function."""
         self.losses.clear()
         self.divisor, self.scale = accum * self.plan.microbatches, scale
         # The fp16 scaler starts its scale at its first `scale` call; ranks without the last stage never
@@ -70,16 +77,40 @@ class Pipeline:
         for stage in self.stages:
             stage.reset_busy()
             stage.submod.length = length
-        start = time.perf_counter()
+        start = _mark(self.grid.device)
         for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
             args = (x,) if self.has_first else ()
             self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
-        busy = sum(s.busy_seconds() for s in self.stages)  # on GPUs: after the step's kernels finished
-        idle = 1.0 - busy / max(time.perf_counter() - start, 1e-9)
+        self._timings.append(([s.take_busy() for s in self.stages], start, _mark(self.grid.device)))
         loss = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.grid.device)
-        totals = all_reduce_(torch.stack([loss.float(), torch.tensor(idle, device=loss.device)]), self.pp)
-        self.bubble = totals[1].item() / self.pp.size
+        idle = torch.tensor(self._finished_idle(), device=loss.device)
+        totals = all_reduce_(torch.stack([loss.float(), idle]), self.pp)
+        self._bubbles.append(_to_host(totals[1] / self.pp.size))
+        self.bubble = self._read_bubble()
         return totals[0]
+
+    def _lag(self) -> int:
+        """Steps a timing or a result waits before the host reads it: 1 on GPUs (its work has run by then),
+        0 on the CPU (nothing is queued): utils/engine/step_results.py's rule."""
+        return 1 if self.grid.device.type == "cuda" else 0
+
+    def _finished_idle(self) -> float:
+        """This rank's idle fraction of the oldest step whose timing is due (NaN before there is one): 1 - the
+        stages' compute / the step's wall time."""
+        if len(self._timings) <= self._lag():
+            return float("nan")
+        taken, start, end = self._timings.popleft()
+        busy = sum(CountedStage.busy_seconds(t) for t in taken)
+        return 1.0 - busy / max(_seconds(start, end), 1e-9)
+
+    def _read_bubble(self) -> float:
+        """The newest pp-mean idle fraction that is due on the host (the previous step's reduction on GPUs)."""
+        if len(self._bubbles) <= self._lag():
+            return float("nan")
+        host, event = self._bubbles.popleft()
+        if event is not None:
+            event.synchronize()
+        return float(host)
 
     def sync_grads(self) -> None:
         """After the last microbatch: the dp x cp reduction, then the tied embedding copies."""
@@ -95,6 +126,35 @@ class Pipeline:
         """ids of parameters another pp rank also holds (the last stage's tied embedding copy): the
         global gradient norm counts them once."""
         return {id(self.tied)} if self.tied is not None and not self.has_first else set()
+
+
+def _mark(device: torch.device) -> float | torch.cuda.Event:
+    """Now, as the host's clock (CPU) or an event on the device's stream (GPUs: the host does not wait)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _seconds(start, end) -> float:
+    """Seconds between two `_mark`s (GPUs: waits until the end event has run)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _to_host(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying a device scalar to pinned host memory: (the host tensor, the event to wait for; None on
+    the CPU, where the value is there already)."""
+    if value.device.type != "cuda":
+        return value, None
+    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def _tied_copies(model: nn.Module) -> nn.Parameter | None:

@@ -139,11 +139,12 @@ class StageModule(nn.Module):
 
 
 class CountedStage(PipelineStage):
-    """A PipelineStage that counts the bytes it sends on `axis` and the time it computes (`busy_seconds`).
+    """A PipelineStage that counts the bytes it sends on `axis` and the time it computes (`take_busy`).
 
     On CPU a chunk's wall time is its compute (gloo's waits block before the chunk starts). On GPUs the
     chunk is timed by CUDA events on the compute stream, which NCCL's receives make wait first: the
-    events measure the kernels, not the wait, and the host never synchronizes inside the step.
+    events measure the kernels, not the wait, and the host never synchronizes inside the step; the events
+    are read a step later (`busy_seconds` waits for those events only, long run by then).
     """
 
     def __init__(self, *args, axis: AxisGroup, **kwargs):
@@ -154,13 +155,21 @@ class CountedStage(PipelineStage):
     def reset_busy(self) -> None:
         self._busy, self._events = 0.0, []
 
-    def busy_seconds(self) -> float:
-        """Compute time since `reset_busy` (on GPUs: waits for the step's kernels to finish)."""
-        if self._events:
-            torch.cuda.synchronize(self.device)
-            self._busy += sum(start.elapsed_time(end) for start, end in self._events) / 1e3
-            self._events = []
-        return self._busy
+    def take_busy(self) -> float | list:
+        """This step's compute, handed over and reset without waiting: seconds on the CPU, the CUDA event pairs
+        that time it on GPUs (`busy_seconds` reads either)."""
+        taken = self._events if self.device.type == "cuda" else self._busy
+        self.reset_busy()
+        return taken
+
+    @staticmethod
+    def busy_seconds(taken: float | list) -> float:
+        """Seconds of compute that `take_busy` handed over (GPUs: waits until its last event has run)."""
+        if not isinstance(taken, list):
+            return taken
+        if taken:
+            taken[-1][1].synchronize()  # recorded last on the stream: every earlier event has run too
+        return sum(start.elapsed_time(end) for start, end in taken) / 1e3
 
     def _timed(self, run, *args, **kwargs):
         if self.device.type == "cuda":
