@@ -86,12 +86,35 @@ check_layout() {
     return "$EXIT_BAD_INPUT"
 }
 
+# The network interface for gloo, the same NCCL uses: NCCL_SOCKET_IFNAME when it names interfaces (an exact
+# name, `=name`, or a prefix such as `ib`: the node's first interface that starts with it), else the interface
+# of the route to the rendezvous host (MASTER_ADDR). Torch's gloo side group (asynchronous checkpoints, the CPU
+# path) otherwise binds to whatever the host name resolves to, which on many clusters is the management
+# Ethernet, not the fabric NCCL picked (or an address other nodes cannot reach). Prints nothing when unknown.
+gloo_ifname() {
+    local want=${NCCL_SOCKET_IFNAME:-} name
+    want=${want#=}
+    want=${want%%,*}  # gloo takes one interface: the first NCCL lists
+    if [ -n "$want" ] && [ "${want#^}" = "$want" ]; then  # `^name` excludes interfaces: nothing to follow
+        if [ -e "/sys/class/net/$want" ]; then echo "$want"; return 0; fi
+        for name in /sys/class/net/"$want"*; do
+            [ -e "$name" ] && { basename "$name"; return 0; }
+        done
+    fi
+    [ -n "${MASTER_ADDR:-}" ] && ip -o route get "$(getent hosts "$MASTER_ADDR" | awk '{print $1; exit}')" 2>/dev/null \
+        | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}'
+    return 0
+}
+
 # The environment every rank inherits through srun.
 export_environment() {
     # the rendezvous: the first node of the job, a port per job (jobs sharing a node never meet on one port)
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     export MASTER_ADDR
     export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+    # gloo across nodes on NCCL's interface (a setting of the user's own is kept)
+    GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$(gloo_ifname)}
+    [ -n "$GLOO_SOCKET_IFNAME" ] && export GLOO_SOCKET_IFNAME
     export HDF5_USE_FILE_LOCKING=FALSE  # ERA5's HDF5 files on Lustre/GPFS: flock is absent or slow there
     # the task's cores for the trainer's CPU threads (DataLoader workers run one thread each)
     export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-${OMP_NUM_THREADS:-1}}
