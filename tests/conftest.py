@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["pytester"]  # tests/test_planted_bugs.py runs the plant harness's plugin in a nested pytest
+
 
 # The fast tier, `python -m pytest -m "not slow" tests` (at most 3 minutes on 2 cores), for edit-test loops:
 # it leaves out the tests that train through the entry points, launch processes as users do (train_mp,

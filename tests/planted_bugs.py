@@ -67,7 +67,7 @@ PLANTS = {
         "dp averaging", "DDP's hook divides the gradients summed over dp x cp by the group size, not by dp",
         (("distributed/data_parallel.py", "ddp.register_comm_hook((axis, grid.batch.size)",
           "ddp.register_comm_hook((axis, _plant_hit(axis.size))"),),
-        lambda c: c.dp_mode == "ddp" and c.cp > 1),
+        lambda c: c.dp_mode == "ddp" and c.cp > 1 and c.pp == 1),  # the pipeline reduces dp x cp itself
     "accumulation_syncs_first_micro": Plant(
         "gradient accumulation", "the dp reduction runs after the first micro-batch instead of the last",
         (("utils/engine/trainer.py", "sync = i == micro - 1", "sync = _plant_hit(i == 0)"),),
@@ -143,13 +143,14 @@ PLANTS = {
         (("utils/engine/trainer.py", "self.tc.grad_accum_steps, self.scaler.scale)",
           "self.tc.grad_accum_steps, _plant_hit(lambda loss: loss))"),),
         lambda c: c.precision == "fp16" and c.pp > 1),
-    "pipeline_stream_in_bf16": Plant(
-        "stage boundary precision (bf16 only)", "the residual stream leaves a stage rounded to the autocast dtype",
-        (("distributed/pipeline/stages.py", "            if self.is_last:\n                return getattr(model, "
-          "self.last_part)(x)\n", "            if self.is_last:\n                return getattr(model, "
-          "self.last_part)(x)\n            if torch.is_autocast_enabled(x.device.type):\n"
-          "                x = _plant_hit(x.to(torch.get_autocast_dtype(x.device.type)).float())\n"),),
-        lambda c: c.pp > 1 and c.precision == "bf16"),
+    "fsdp_master_weights_in_bf16": Plant(
+        "master weight precision (bf16 only)", "under FSDP with bf16, the norms' weights and biases are stored in "
+        "bf16 after each update (small updates are lost)",
+        (("utils/engine/trainer.py", "        self.scaler.update()\n",
+          "        self.scaler.update()\n        if self.cfg.precision.mode == 'bf16' and self.cfg.parallel.dp_mode == "
+          "'fsdp':\n            _plant_hit([p.data.copy_(p.data.bfloat16().float()) for p in "
+          "self.raw_model.parameters() if p.dim() == 1])\n"),),
+        lambda c: c.dp_mode == "fsdp" and c.precision == "bf16"),
 }
 
 
