@@ -228,7 +228,7 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
     killed_at, saved = time.time(), [line.split("step_")[-1].strip() for line in list(out) if "saved checkpoint" in line]
     full, full_out = torchrun("full", 0)  # the reference, meanwhile
     status = killed.wait(timeout=180)
-    open("/tmp/torchrun_out.txt", "w").write("".join(out))
+    (tmp_path / "torchrun_out.txt").write_text("".join(out))  # the job's output, kept beside its run directories
     assert status == 0, "".join(out[-40:])
     print(f"torchrun restart: rank 1 killed after step 7, job finished {time.time() - killed_at:.1f} s later")
     assert full.wait(timeout=180) == 0, "".join(full_out[-30:])
