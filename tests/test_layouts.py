@@ -254,7 +254,7 @@ def test_mixed_precision_under_model_parallelism(mode, layout, era5_root, tmp_pa
     the whole curve within the matrix's bound for the precision (8 unit roundoffs, tests/test_matrix.py) of
     the one-process run of the same precision. FSDP with a batch of 3 per rank: validation's 31 samples make
     6 batches on rank 0 and 5 on rank 1, so rank 1 runs a padding forward (every FSDP forward gathers over
-    dp: unequal counts would hang, and a padding batch counted would move the validation loss)."""
+    dp: unequal counts would hang)."""
     name = "_".join([mode, *(o.split("=")[1] for o in layout)])
     batch = ["trainer.global_batch_size=6"] if "parallel.dp_mode=fsdp" in layout else VIT
     run_dir = run_layout(tmp_path, name, batch, f"data.root={era5_root}", *layout, f"precision={mode}",
