@@ -5,20 +5,21 @@ precision x schedule x cp_attention x sequence parallelism x activation checkpoi
 picks an all-pairs covering set. Each accepted case runs STEPS steps through the real entry point
 (`train.main` on pooled torchrun-style ranks, tests/rank_pool.py) and must follow the single-process run of
 the same model, precision and accumulation: the loss and gradient norm of every step and the final
-validation loss within TOLERANCE[precision], and its final checkpoint must hold the single-process model's
-keys and global shapes (a checkpoint describes the model, not the layout); a case with cp > 1 under bf16
+validation loss within `tolerance(model, precision)`, and its final checkpoint must hold the single-process
+model's keys and global shapes (a checkpoint describes the model, not the layout); a case with cp > 1 under bf16
 or fp16 also checks the accuracy of its attention as built (tests/attention_accuracy.py: the curves cannot
 see the ring's statistics computed in bf16). Each refused case must exit 2 on every rank with the one line
 the trainer's checks predict, and nothing else.
 
-Tolerances (relative, per logged value). fp32: 1e-4, the project's layout contract (measured over the
-covering set: at most 2.9e-6). bf16 and fp16: the layouts reduce in other orders and round at other
-places, so a value differs from the serial run's by some roundings of the autocast dtype, growing over the
-steps through the updates; we allow 8 unit roundoffs of its mantissa: bf16 (u = 2^-8) 3.1e-2, fp16
-(u = 2^-11) 3.9e-3. Measured worst cases over the covering set (CPU, 2026-11-25): bf16 1.8e-3, fp16 7.0e-4,
-so a margin of 18x and 6x; a real defect is far outside (FSDP x pp x bf16 reading bf16 bytes as fp32 trained
-at 0.85 where every correct layout was at 0.50: 70%). `DLSCALE_MATRIX_REPORT=FILE` appends each case's
-worst deviation to FILE (docs/testing.md has the figures).
+Tolerances (relative, per logged value). fp32: 1e-4, the project's layout contract (correct layouts measured at
+most 5.5e-6). bf16 and fp16: derived from the spread among correct layouts of the same model and precision,
+SPREAD (each one's worst relative deviation from the single-process run, the largest over every correct
+layout measured: the covering set and seeded random cases of the whole space), times MARGIN for machines
+whose kernels round elsewhere. The spread depends on the model as much as on the dtype (the ViT's regression
+moves 20x less than a language model's cross-entropy), so the bound is per (model, precision): a bf16 master
+weight under FSDP (a plant: tests/planted_bugs.py) moves the ViT's curves by 5.1e-4, 14x its spread and 60x
+below the former bound of 8 bf16 unit roundoffs (3.1e-2), which let it through. `DLSCALE_MATRIX_REPORT=FILE`
+appends each case's worst deviation to FILE; docs/testing.md has the table and how to re-derive it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,22 @@ from tests.rank_pool import run_entry_ranks
 
 STEPS = 4
 COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
-TOLERANCE = {"fp32": 1e-4, "bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
+# The largest relative deviation of a correct layout from the single-process run, per (model, precision): CPU
+# (Intel Xeon, AVX-512, 2 cores), torch 2.13.0, 2026-11-27; (cases measured) beside each. docs/testing.md.
+SPREAD = {("vit", "bf16"): 3.6e-5,  # 17
+          ("gpt", "bf16"): 8.8e-4,  # 47
+          ("llama", "bf16"): 6.5e-4,  # 14
+          ("vit", "fp16"): 2.9e-5,  # 13
+          ("gpt", "fp16"): 1.6e-4,  # 11
+          ("llama", "fp16"): 4.4e-4}  # 15
+MARGIN = 5
+
+
+def tolerance(model: str, precision: str) -> float:
+    """The relative bound of a logged value of `model` under `precision` (see the module docstring)."""
+    return 1e-4 if precision == "fp32" else MARGIN * SPREAD[(model, precision)]
+
+
 ACCEPTED, REFUSED = covering_set()
 
 
@@ -102,15 +118,16 @@ def worst_deviation(reference: dict, got: dict) -> float:
     return max(abs(g - r) / abs(r) for r, g in pairs)
 
 
-def assert_follows(reference: dict, got: dict, precision: str) -> None:
+def assert_follows(reference: dict, got: dict, model: str, precision: str) -> None:
     """The case's curves and checkpoint against the single-process run's; a Mismatch names the first value off."""
+    bound = tolerance(model, precision)
     for key in ("loss", "grad_norm", "val"):
         if len(got[key]) != len(reference[key]):
             raise Mismatch(f"{key}: {len(got[key])} values logged, the single-process run logged {len(reference[key])}")
         for i, (r, g) in enumerate(zip(reference[key], got[key])):
-            if not abs(g - r) <= TOLERANCE[precision] * abs(r):  # a NaN fails too
+            if not abs(g - r) <= bound * abs(r):  # a NaN fails too
                 raise Mismatch(f"{key}[{i}] = {g:.6g}, single process {r:.6g}: relative {abs(g - r) / abs(r):.2e} "
-                               f"> {TOLERANCE[precision]:.1e} ({precision})")
+                               f"> {bound:.1e} ({model}, {precision})")
     if got["shapes"] != reference["shapes"]:
         raise Mismatch("the checkpoint does not describe the single-process model: "
                        f"{sorted(set(got['shapes'].items()) ^ set(reference['shapes'].items()))[:4]}")
@@ -124,7 +141,7 @@ def check_case(case: Case, tmp_path: Path, request, references) -> None:
     if report := os.environ.get("DLSCALE_MATRIX_REPORT"):  # the deviations docs/testing.md states
         with open(report, "a") as out:
             out.write(f"{case.name} {case.precision} {worst_deviation(reference, got):.3e}\n")
-    assert_follows(reference, got, case.precision)
+    assert_follows(reference, got, case.model, case.precision)
     if case.cp > 1 and case.precision != "fp32":  # the attention as built for the case (tests/attention_accuracy.py)
         try:
             run_ranks(check_rank, case.world, tmp_path, case_argv(run_dir, case.model, root, case.overrides()))
