@@ -74,7 +74,7 @@ class Command:
 
     @property
     def argv(self) -> list[str]:
-        return shlex.split(self.text.replace("$CKPT", "runs/tp2dp2/checkpoints/step_0000010"))
+        return shlex.split(self.text)
 
 
 def _blocks(text: str) -> list[tuple[str, str]]:
@@ -100,6 +100,8 @@ def commands() -> list[Command]:
         for lang, body in _blocks(doc.read_text()):
             if lang not in ("", "bash", "sh"):
                 continue
+            for name, value in re.findall(r"^([A-Z_]+)=(\S+)", body, re.M):  # CKPT=...: its uses get the value
+                body = body.replace(f"${name}", value)
             lines = re.sub(r"\\\n\s*", " ", body).splitlines()
             for line, after in zip(lines, [*lines[1:], ""]):
                 line = _strip_comment(line).removeprefix("$ ")
@@ -146,7 +148,8 @@ def overrides_of(argv: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def config_keys() -> set[str]:
-    """Every key path (and its prefixes) of the config composed with each preset of each group."""
+    """Every key path (and its prefixes) of the config composed with each model and each data preset (the
+    other groups' presets set keys of the schema that every composition holds)."""
     from omegaconf import OmegaConf
 
     from utils.cli.config import compose_config, presets
@@ -159,7 +162,7 @@ def config_keys() -> set[str]:
             if isinstance(v, dict):
                 walk(v, prefix + k + ".")
 
-    for args in [[], *([f"{g}={p}"] for g in GROUPS for p in presets(g))]:
+    for args in [[], *([f"{g}={p}"] for g in ("model", "data") for p in presets(g))]:
         composed = compose_config(args)
         del composed.hydra
         walk(OmegaConf.to_container(composed, resolve=False), "")
@@ -218,6 +221,7 @@ def _help(module: str, args: list[str]) -> tuple[int, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # four interpreters importing torch: minutes on a loaded 2-core machine
 def test_the_commands_that_launch_nothing_run_as_written(tmp_path):
     """`python -m utils.comm ...`, the dry plan `python -m utils.plan ... --json` and `python train.py --cfg`,
     as subprocesses exactly as the docs write them: exit 0 and a layout, a plan or a config printed."""
@@ -288,9 +292,8 @@ def _dotted_exists(name: str, runnable: bool) -> bool:
         return base.with_suffix(".py").is_file() or (base / "__main__.py").is_file() or parts[0] == "pytest"
     for cut in range(len(parts), 0, -1):
         module = _module_file(parts[:cut])
-        if module is not None:
-            return cut == len(parts) or (cut == len(parts) - 1 and _defines(module, parts[cut])) or (
-                cut == len(parts) - 2 and _defines(module, parts[cut]))  # a method: Class.method
+        if module is not None:  # the module itself, a name at its top, or a method of a class there (Class.method)
+            return cut == len(parts) or (len(parts) - cut in (1, 2) and _defines(module, parts[cut]))
     return False
 
 
