@@ -111,10 +111,11 @@ PLANTS = {
           "is_causal=self.causal,", "out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, "
           "is_causal=_plant_hit(False),"),),
         lambda c: c.cp_attention == "alltoall" and c.model != "vit"),
-    "hierarchical_ring_drops_positions": Plant(
-        "cp hierarchical", "the ring across groups runs without the tokens' positions (no causal mask)",
-        (("distributed/context/attention.py", "positions if self.causal else None, bounds)",
-          "_plant_hit(None), bounds)"),),
+    "hierarchical_group_positions_reversed": Plant(
+        "cp hierarchical", "each all-to-all group's positions are its members' in reverse rank order: the ring "
+        "across groups masks by the wrong tokens' positions",
+        (("distributed/context/layout.py", "positions = [torch.cat([self.positions[r] for r in m]) for m in members]",
+          "positions = [torch.cat([self.positions[r] for r in _plant_hit(m[::-1])]) for m in members]"),),
         lambda c: c.cp_attention == "hierarchical" and c.model != "vit"),
     "fsdp_casts_params_to_bf16": Plant(
         "FSDP mixed precision", "issue 23 item 1: FSDP2's policy casts parameters (and so stage outputs) to bf16",
@@ -122,7 +123,7 @@ PLANTS = {
           "policy = MixedPrecisionPolicy(param_dtype=_plant_hit(torch.bfloat16), reduce_dtype=torch.float32)"),
          ("distributed/pipeline/stages.py", "if x.dtype != self.activation_dtype or tuple(x.shape) != shape:",
           "if tuple(x.shape) != shape:")),
-        lambda c: c.dp_mode == "fsdp"),
+        lambda c: c.dp_mode == "fsdp" and c.pp == 1),  # under pp the stages' fp32 receive buffers refuse it (a crash)
     "checkpoint_wrapper_names": Plant(
         "activation checkpointing", "issue 23 item 3: Adam state named from named_parameters(), the activation "
         "checkpointing wrapper's prefixes included",
