@@ -27,6 +27,7 @@ from utils.cli.launch import die_with_parent, free_port, rank_env
 from utils.comm import Grid, destroy_grid, init_grid
 from utils.doctor.adjoints import adjoint_checks
 from utils.doctor.bandwidth import bandwidth_checks, bandwidth_file, measure
+from utils.doctor.campaign import campaign_main
 from utils.doctor.environment import environment_checks, node_of_every_rank
 from utils.doctor.layers import layer_checks
 from utils.doctor.report import STATUSES, Check, default_out_dir, exit_status, markdown, write_report
@@ -46,7 +47,9 @@ USAGE = """usage: python -m utils.doctor [options] [overrides]   (docs/doctor.md
   --iters N                   timed calls per collective and size (GPU 20, CPU 3)
   --sizes-mib A,B,...         message sizes in MiB (GPU 1,32,256; CPU 0.0625,1)
   --min-bandwidth-fraction X  fail an axis below X times the planner's assumed link (GPU 0.25, CPU 0)
-  --skip A,B                  leave out these classes of checks: bandwidth, mappings, layers, layout"""
+  --skip A,B                  leave out these classes of checks: bandwidth, mappings, layers, layout
+       python -m utils.doctor --campaign [--dry-run] [--out DIR] [--seed-dir PATH] [--budget-s S]
+  the GPU campaign (docs/gpu_campaign.md): environment, pytest -m gpu, the doctor, utils.bench; a report"""
 
 
 def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
@@ -202,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    if "--campaign" in argv:  # the GPU campaign (utils/doctor/campaign.py)
+        try:
+            return campaign_main([a for a in argv if a != "--campaign"])
+        except ConfigError as err:
+            exit_bad_input(err)
     try:
         options, rest = parse_options(argv)
         cfg, _, _ = load_config(rest)
