@@ -15,7 +15,7 @@ Running a command means its cheap form:
 Named things: a repo path (a file or folder under a top-level folder of the project, a markdown link or
 image), a config key (`group=option` against config/<group>/, `section.key` against the keys of every preset
 composed), a python module (`python -m x.y`, and a dotted name of the project `utils.cli.config.load_config`:
-the module's file and the name defined at its top). Hydra's own keys (`hydra.*`, `hydra/launcher=`) are not
+the module's file and the name defined at its top), a test named as `tests/test_x.py::test_name`. Hydra's own keys (`hydra.*`, `hydra/launcher=`) are not
 checked. Both tests print their counts (`-s` or `-rP` shows them).
 """
 
@@ -61,6 +61,7 @@ NEEDS = {
                           "tests/test_tokenizer_folder.py train from such folders)",
 }
 MODULE_RUN = r"(?:python|torchrun)[^\n`|]*? -m ([A-Za-z_][\w.]*)(?![\w.=,])"  # not a sweep's -m key=a,b
+TEST_NAME = r"((?:tests|utils|distributed|networks)/[\w/]+\.py)::(\w+)"  # tests/test_x.py::test_name
 FILE_NAME = (".json", ".yaml", ".pt", ".py", ".md", ".npy", ".h5", ".txt")  # `model.safetensors.index.json`
 BAD_EXAMPLES = {("model", "nope")}  # presets the docs name as bad input (docs/configuration.md's sweep errors)
 SYNOPSIS = re.compile(r"\[\w+=\.\.\.\]|\.\.\.$|=a,b")  # a usage line, not a command: `[model=...]`, `key=a,b ...`
@@ -326,6 +327,10 @@ def test_every_path_key_and_module_named_exists(config_keys, capsys):
             counts["choices"].add((group, option))
             if not (ROOT / "config" / group / f"{option}.yaml").is_file():
                 missing.append(f"{where}: preset {group}={option}")
+        for file, name in re.findall(TEST_NAME, text):
+            counts["modules"].add(f"{file}::{name}")
+            if not ((ROOT / file).is_file() and _defines(ROOT / file, name)):
+                missing.append(f"{where}: {file}::{name}")
         runnable = set(re.findall(MODULE_RUN, text))
         for name in _dotted(text):
             counts["modules"].add(name)
@@ -340,7 +345,7 @@ def test_every_path_key_and_module_named_exists(config_keys, capsys):
 @pytest.mark.parametrize("text,kind", [
     ("see utils/cli/submitit_job.py", "path"), ("set `trainer.no_such_key`", "key"),
     ("python train.py parallel=tp3", "choice"), ("python -m utils.nothing", "module"),
-    ("`utils.cli.config.no_such_function`", "module")])
+    ("`utils.cli.config.no_such_function`", "module"), ("tests/test_launch.py::test_no_such_test", "test")])
 def test_the_checks_catch_a_missing_name(text, kind, config_keys):
     """Each check fails on a name that does not exist (a missing file, key, preset, module, function)."""
     doc = ROOT / "docs" / "x.md"
@@ -350,6 +355,7 @@ def test_the_checks_catch_a_missing_name(text, kind, config_keys):
         "key": any(k not in config_keys for k in keys),
         "choice": any(not (ROOT / "config" / g / f"{o}.yaml").is_file() for g, o in choices),
         "module": any(not _dotted_exists(n, "-m" in text) for n in _dotted(text)),
+        "test": any(not _defines(ROOT / f, n) for f, n in re.findall(TEST_NAME, text)),
     }
     assert found[kind] and sum(found.values()) == 1, found
 
