@@ -69,6 +69,8 @@ class TrainerConfig:
     profile: bool = False  # torch.profiler trace and top-operator table of profile_steps (utils/engine/profiling.py)
     profile_steps: list[int] = field(default_factory=lambda: [3, 5])  # [start, end], steps counted from 1
     profile_memory: bool = False  # CUDA allocator history, written at the end step and on out-of-memory
+    fingerprint_steps: int = 0  # first steps whose per-parameter gradient and update statistics go to
+    # run.dir/fingerprints.json, for `python -m utils.compare --diverge` (utils/engine/fingerprints.py); 0 = off
 
     def __post_init__(self):
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
@@ -76,7 +78,8 @@ class TrainerConfig:
             require(value > 0, f"{name} must be positive, got {value}", f"trainer.{name}", "set a positive integer")
         for name in ("rollout_steps", "rollout_inits", "rollout_train_steps"):
             require(getattr(self, name) > 0, f"{name} must be positive", f"trainer.{name}", "set a positive integer")
-        for name in ("val_every", "ckpt_every", "num_workers", "rollout_every", "rollout_train_every"):
+        for name in ("val_every", "ckpt_every", "num_workers", "rollout_every", "rollout_train_every",
+                     "fingerprint_steps"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0", f"trainer.{name}", "set 0 or more")
         require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
                 "trainer.stop_at_step", "set null or a positive step")
