@@ -20,6 +20,7 @@ from utils.checkpoints.checkpointer import Checkpointer
 from utils.checkpoints.sharded_state import View, checkpoint_view, read_shapes
 from utils.comm import Grid
 from utils.data.batching import Loaders, SharedBatches
+from utils.engine.fingerprints import fingerprinted
 from utils.engine.flops import mfu, tflops_per_device
 from utils.engine.logger import Progress, TensorBoard
 from utils.engine.memory import MemoryLedger, host_peak_gib, peak_memory_gib
@@ -132,10 +133,10 @@ class Trainer:
         """Gradient sync, clipping, the agreed flags and the update, after the backward of a step."""
         self.finish_grads()
         self.scaler.unscale_(self.optimizer)
-        grad_norm = self.clip_grad_norm()
-        loss = mean_over(total, self.batch)
-        self.flags = self.agree_on_flags(loss, grad_norm)
-        self.step_optimizer(self.flags[0])
+        with fingerprinted(self, self.step + 1):  # trainer.fingerprint_steps: the grads, then the update
+            grad_norm, loss = self.clip_grad_norm(), mean_over(total, self.batch)
+            self.flags = self.agree_on_flags(loss, grad_norm)
+            self.step_optimizer(self.flags[0])
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
