@@ -13,10 +13,10 @@ Running a command means its cheap form:
   `python -m utils.plan ... --json`, `python train.py --cfg`) as subprocesses, as written.
 
 Named things: a repo path (a file or folder under a top-level folder of the project, a markdown link or
-image), a config key (`group=option` against config/<group>/, `section.key` against the keys of every preset
-composed), a python module (`python -m x.y`, and a dotted name of the project `utils.cli.config.load_config`:
-the module's file and the name defined at its top), a test named as `tests/test_x.py::test_name`. Hydra's own keys (`hydra.*`, `hydra/launcher=`) are not
-checked. Both tests print their counts (`-s` or `-rP` shows them).
+image), a config key (`group=option` against config/<group>/, `section.key` against the keys of each model and
+data preset composed), a python module (`python -m x.y`, and a dotted name of the project `utils.cli.config.load_config`:
+the module's file and the name defined at its top), a test named as `tests/test_x.py::test_name`. Hydra's
+own keys (`hydra.*`, `hydra/launcher=`) are not checked. Both tests print their counts on the terminal.
 """
 
 from __future__ import annotations
@@ -201,7 +201,8 @@ def test_every_command_is_run_or_listed(capsys):
     listed = [c for c, (kind, _) in kinds.items() if kind == "listed"]
     with capsys.disabled():
         print(f"\ndocs commands: {len(cmds)}: {len(run)} run ("
-              + ", ".join(f"{sum(1 for k, _ in kinds.values() if k == kind)} {kind}" for kind in ("config", "help", "dry"))
+              + ", ".join(f"{sum(1 for k, _ in kinds.values() if k == kind)} {kind}"
+                          for kind in ("config", "help", "dry"))
               + f"), {len(listed)} listed")
     assert len(run) >= 40 and listed, "the extraction lost the docs' commands"
     assert not failures, "\n".join(failures)
@@ -244,7 +245,8 @@ def _doc_texts() -> list[tuple[Path, str]]:
 def _paths(doc: Path, text: str) -> set[Path]:
     """Repo paths named in the text (root-relative), and markdown link targets (relative to the doc)."""
     found = set()
-    names = rf"(?<![\w./-])((?:{'|'.join(re.escape(t) for t in TOP)})/[\w./*<>-]*|README\.md|train\.py|train_mp\.py|pyproject\.toml)"
+    tops = "|".join(re.escape(t) for t in TOP)
+    names = rf"(?<![\w./-])((?:{tops})/[\w./*<>-]*|README\.md|train\.py|train_mp\.py|pyproject\.toml)"
     for name in re.findall(names, text):
         cut = re.split(r"[<*]", name)[0]
         if cut != name:  # a placeholder (submit/logs/<job name>.out, tests/test_*.py): its folder
@@ -270,7 +272,8 @@ def _defines(module_file: Path, name: str) -> bool:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
             return True
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return True
         if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == name for a in node.names):
