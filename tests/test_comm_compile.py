@@ -18,7 +18,6 @@ aot_eager (the compiled backward saves the counter with a version check): they r
 what the step without recomputation counts, forward and total, while the eager checkpointed step counts
 every recomputed forward collective again (its total is larger); a compiled recomputation that counted
 a collective again would fail.
-On 2 CPU cores the file takes ~17 s with a warm inductor cache, ~30 s with a cold one.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ def runs(tmp_path_factory, era5_root):
     root = tmp_path_factory.mktemp("runs")
     commands = {"single": ("train.py",), "dp2": ("train_mp.py", "--nproc", "2", "parallel=dp"),
                 "tp2": ("train.py", "parallel=tp2")}
-    # One OpenMP thread per process: on 2 busy cores the default threads spin against each other (a
-    # one-process run took 21 s instead of 8 s here). All runs at once: their start-up overlaps.
+    # One OpenMP thread per process: on 2 busy cores the default threads spin against each other (a run
+    # takes over twice as long: docs/measurements.md). All runs at once: their start-up overlaps.
     with ThreadPoolExecutor(len(commands)) as pool:
         procs = {name: pool.submit(run_entry, *command, f"data.root={era5_root}", f"run.dir={root / name}",
                                    *TINY, env={"OMP_NUM_THREADS": "1"})

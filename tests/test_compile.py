@@ -14,9 +14,8 @@ and the mappings' autograd.Functions are traced; inductor only generates kernels
 inductor backend runs twice: the GPT block with SP wrapped in activation checkpointing (the recompute
 re-runs the collectives), and `wrap_blocks(checkpoint=True, compile=True)` on a serial ViT, the
 trainer's path. Compiled blocks also run under CPU bf16 autocast (bf16 collectives on gloo).
-On 2 CPU cores the file takes ~45-50 s with a cold inductor cache and ~20 s with a warm one; running
-all four tp cases with inductor instead would add ~30 s (the first inductor compile of a process
-pays ~10 s of start-up, both ranks compile at once).
+Running all four tp cases with inductor instead would cost much more: the first inductor compile of a
+process pays seconds of start-up, and both ranks compile at once (the figures: docs/measurements.md).
 """
 
 from __future__ import annotations

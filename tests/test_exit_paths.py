@@ -25,8 +25,8 @@ from utils.engine.preemption import EXIT_PREEMPTED, SIGNALS
 TINY = ["model.depth=2", "model.embed_dim=32", "trainer.global_batch_size=4", "data.limit_nsamples_val=8",
         "trainer.log_every=1", "trainer.val_at_start=false"]
 MARKER = "DLSCALE_TEST_JOB"
-# Beside a 4-rank matrix case on 2 cores a job's data workers start in a minute, not seconds (a fresh clone's
-# run of 2026-11-25: step 1 after 39 s, the first validation 62 s): waits are bounded, not tight.
+# Beside a 4-rank matrix case on 2 cores a job's data workers start in a minute, not seconds (the figures:
+# docs/measurements.md): waits are bounded, not tight.
 pytestmark = pytest.mark.timeout(600)
 
 
