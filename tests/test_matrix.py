@@ -38,12 +38,12 @@ STEPS = 4
 COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
 # The largest relative deviation of a correct layout from the single-process run, per (model, precision): CPU
 # (Intel Xeon, AVX-512, 2 cores), torch 2.13.0, 2026-11-27; (cases measured) beside each. docs/testing.md.
-SPREAD = {("vit", "bf16"): 3.6e-5,  # 17
-          ("gpt", "bf16"): 8.8e-4,  # 47
-          ("llama", "bf16"): 6.5e-4,  # 14
+SPREAD = {("vit", "bf16"): 3.6e-5,  # 20
+          ("gpt", "bf16"): 8.8e-4,  # 51
+          ("llama", "bf16"): 6.5e-4,  # 18
           ("vit", "fp16"): 2.9e-5,  # 13
-          ("gpt", "fp16"): 1.6e-4,  # 11
-          ("llama", "fp16"): 4.4e-4}  # 15
+          ("gpt", "fp16"): 1.6e-4,  # 12
+          ("llama", "fp16"): 4.4e-4}  # 18
 MARGIN = 5
 
 
