@@ -128,8 +128,8 @@ def _group(busbw: float, spans: bool, ok: bool = True) -> dict:
 
 
 def test_bandwidth_verdicts_and_the_planner_figures():
-    """Against the planner's cpu preset (5 GB/s): pass at or above it, warn below, fail below the fraction or on
-    a wrong value; intra/inter are medians over the axes inside one node / spanning nodes, at the largest size."""
+    """Against the planner's cpu preset (5 GB/s): pass at 0.8 of it (ACHIEVABLE_FRACTION), warn below, fail below
+    the fraction or on a wrong value; intra/inter are medians over the axes inside one node / spanning nodes, at the largest size."""
     cpu = torch.device("cpu")
     statuses = {name: [c.status for c in bandwidth_checks({"tp": group}, cpu, 0.25)] for name, group in
                 {"fast": _group(6.0, False), "slow": _group(2.0, False), "broken": _group(1.0, False),
