@@ -140,9 +140,8 @@ PLANTS = {
           "values = values.narrow(dim, _plant_hit(0), piece.shape[dim])"),),
         lambda c: c.tp > 1),
     "pipeline_loss_unscaled": Plant(
-        "loss scaler", "the pipeline's backward runs on the unscaled loss while the scaler unscales the gradients",
-        (("utils/engine/trainer.py", "self.tc.grad_accum_steps, self.scaler.scale)",
-          "self.tc.grad_accum_steps, _plant_hit(lambda loss: loss))"),),
+        "loss scaler", "the last stage's backward runs on the unscaled loss while the scaler unscales the gradients",
+        (("distributed/pipeline/schedule.py", "        return self.scale(loss)\n", "        return _plant_hit(loss)\n"),),
         lambda c: c.precision == "fp16" and c.pp > 1),
     "fsdp_master_weights_in_bf16": Plant(
         "master weight precision (bf16 only)", "under FSDP with bf16, the norms' weights and biases are stored in "
