@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed.context import blocks
-from utils.engine.device import compute_capability
+from distributed.device import compute_capability
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TOL = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}  # relative to the largest reference value

@@ -28,7 +28,7 @@ def test_kernel_by_capability(capability, dtype, masked, kind):
 
 def test_capability_read_from_the_device(monkeypatch):
     """compute_capability (which `attend` asks for the tensors' device) is the driver's answer on CUDA only."""
-    from utils.engine.device import compute_capability
+    from distributed.device import compute_capability
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: V100)
     assert compute_capability(torch.device("cuda", 0)) == V100 and compute_capability("cpu") is None

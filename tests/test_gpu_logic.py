@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from distributed import device as device_mod
 from utils import ConfigError
 from utils.bench import collectives as bench_collectives
 from utils.cli import local_launch
 from utils.comm import AxisGroup
 from utils.doctor import bandwidth, environment, training
-from utils.engine import device as device_mod
 from utils.engine import flops
 
 GIB = 2**30

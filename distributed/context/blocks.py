@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from utils.engine.device import compute_capability
+from distributed.device import compute_capability
 
 LSE_ROWS_ALIGN = {"flash": 1, "efficient": 32}  # the efficient kernel pads its lse's query rows to a multiple of 32
 HALF = (torch.float16, torch.bfloat16)

@@ -20,10 +20,10 @@ import time
 import torch
 
 from distributed.collectives import all_gather, all_reduce, barrier, own_chunk, reduce_scatter, split_sizes
+from distributed.device import synchronize
 from utils import ConfigError, exit_bad_input, require
 from utils.cli.launch import launch_env
 from utils.comm import ParallelConfig, destroy_grid, init_grid
-from utils.engine.device import synchronize
 from utils.engine.flops import device_name
 
 

@@ -22,9 +22,9 @@ import time
 import torch
 
 from distributed.collectives import all_gather, all_reduce, all_reduce_, all_to_all, barrier, reduce_scatter, ring_shift
+from distributed.device import synchronize
 from utils.comm import Axis, AxisGroup, Grid
 from utils.doctor.report import Check
-from utils.engine.device import synchronize
 from utils.engine.flops import device_name
 from utils.plan.cost_model import GPUS, Hardware
 

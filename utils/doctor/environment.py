@@ -15,9 +15,9 @@ import zlib
 import torch
 
 from distributed.collectives import all_gather
+from distributed.device import gpu_identity
 from utils.comm import Grid
 from utils.doctor.report import Check, verdict
-from utils.engine.device import gpu_identity
 from utils.engine.flops import PEAK_TFLOPS, device_name, peak_tflops
 
 
@@ -31,7 +31,7 @@ def versions(device: torch.device) -> dict[str, str]:
 
 
 def device_facts(device: torch.device) -> dict:
-    """This rank's device: name, logical index, identity (UUID or PCI bus id, utils/engine/device.py) and memory
+    """This rank's device: name, logical index, identity (UUID or PCI bus id, distributed/device.py) and memory
     in GiB (None on the CPU)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

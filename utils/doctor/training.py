@@ -6,7 +6,7 @@ per step (no data files), each batch rank given its slice. The layout's losses a
 single-device run's within the project's layout contract (tests/test_matrix.py, which compares both): relative 1e-4
 in fp32, 8 unit roundoffs of the autocast dtype's mantissa in bf16 (3.1e-2), tf32 and fp16 (3.9e-3). Every rank runs
 the single-device curve on its own device at once, after the layout's trainer is freed (Python's garbage collected
-and the CUDA allocator's cache emptied, utils/engine/device.py `free_memory`): no rank waits in a collective while
+and the CUDA allocator's cache emptied, distributed/device.py `free_memory`): no rank waits in a collective while
 another computes (an NCCL barrier would give up after parallel.init_timeout_s), and the ranks' verdicts are combined
 as every check's are. A model that does not fit one device is reported as such.
 Then the layout's trainer is timed as utils.bench times it: samples/s, TFLOP/s per device and MFU
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from distributed.device import free_memory
 from utils.bench.train_step import time_steps
 from utils.comm import Grid, ParallelConfig
 from utils.doctor.report import Check
 from utils.engine.build import build_trainer
-from utils.engine.device import free_memory
 from utils.engine.memory import peak_memory_gib
 from utils.tasks import build_task
 
