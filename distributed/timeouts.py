@@ -38,8 +38,9 @@ def group_timeouts() -> dict[str, float]:
     largest over a group's backends)."""
     out = {}
     for pg in _groups():
-        seconds = [pg._get_backend(kind).options._timeout.total_seconds()
-                   for kind in pg._device_types if kind.type in ("cpu", "cuda")]
+        backends = [pg._get_backend(kind) for kind in pg._device_types if kind.type in ("cpu", "cuda")]
+        seconds = [b.options._timeout.total_seconds() for b in backends
+                   if getattr(b, "options", None) is not None]  # torch's fake group (the planner) has none
         if seconds:
             out[pg.group_name] = max(seconds)
     return out
