@@ -47,7 +47,8 @@ def test_gpu_step_results_are_read_late_waiting_only_for_finished_steps(monkeypa
     pipe = _pipeline("cuda")
     for step in (1, 2, 3):  # each step: wall 10 ms from its start mark, 6 ms of compute in one stage
         busy = [(Event(f"busy{step}.start", 100 * step), Event(f"busy{step}.end", 100 * step + 6))]
-        pipe._timings.append(([busy], Event(f"step{step}.start", 100 * step), Event(f"step{step}.end", 100 * step + 10)))
+        start, end = Event(f"step{step}.start", 100 * step), Event(f"step{step}.end", 100 * step + 10)
+        pipe._timings.append(([busy], start, end))
         idle = pipe._finished_idle()
         pipe._bubbles.append((torch.tensor(idle), Event(f"reduced{step}", 0)))  # the pp-mean of what it reduced
         bubble = pipe._read_bubble()

@@ -8,8 +8,8 @@ line (`python train.py key=value ...`), which every local rank runs.
 `launch_main` is `python train_mp.py`: it starts world = tp*cp*pp*dp ranks (dp = parallel.dp, or 1 when it
 is derived; or `--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs (a new
 interpreter running train.py), CPU processes on gloo (forks of this one) on a machine without GPUs or with
-`trainer.device=cpu`; fewer GPUs than ranks is refused (exit 2, one line) before anything starts. Returns the first non-zero
-exit status; when a rank fails, the others are stopped at once. Stop signals (SIGTERM, SIGUSR1, SIGUSR2,
+`trainer.device=cpu`; fewer GPUs than ranks is refused (exit 2, one line) before anything starts. Returns the
+first non-zero exit status; when a rank fails, the others are stopped at once. Stop signals (SIGTERM, SIGUSR1, SIGUSR2,
 SIGHUP, SIGINT) are forwarded to the ranks, which checkpoint and exit (status 75); a rank never outlives the launcher.
 """
 

@@ -92,7 +92,8 @@ def bench_steps(dry_run: bool, seed_dir: Path | None) -> list[Step]:
         for compile_ in (False, True):
             seed = ["--seed-dir", str(seed_dir)] if seed_dir is not None and family == "vit" else []
             steps.append(Step(f"bench {model[0].split('=')[1]} bf16{' compile' if compile_ else ''}",
-                              ["-m", "utils.bench", *model, "precision=bf16", f"precision.compile={str(compile_).lower()}",
+                              ["-m", "utils.bench", *model, "precision=bf16",
+                               f"precision.compile={str(compile_).lower()}",
                                *timing, *seed], 240 if compile_ else 120, run=not (dry_run and compile_),
                               why="compiling on the CPU takes minutes" if dry_run and compile_ else ""))
     return steps
@@ -202,7 +203,8 @@ def markdown(report: dict) -> str:
         fig = s.get("figures", {})
         short = fig.get("summary") or ", ".join(f"{k} {v}" for k, v in fig.items() if k in ("pass", "warn", "fail")) \
             or "; ".join(f"{r.get('samples/s')} samples/s, MFU {r.get('MFU')}" for r in fig.get("rows", []))
-        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']} | `{s['command']}` | {short or s.get('why', '')} |")
+        short = short or s.get("why", "")
+        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']} | `{s['command']}` | {short} |")
     rows = [r for s in report["steps"] for r in s.get("figures", {}).get("rows", [])]
     if rows:
         keys = ["device", "model", "precision", "compile", "samples/s", "TFLOP/s per device", "MFU", "peak GiB"]
@@ -212,7 +214,8 @@ def markdown(report: dict) -> str:
 
 
 def commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=False)
     return proc.stdout.strip() or "unknown"
 
 
