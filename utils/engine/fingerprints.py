@@ -4,13 +4,16 @@
 For each of the first N steps, every rank takes float64 statistics [sum, sum of squares, sum of |x|] of
 each parameter piece it holds (distributed/placement.py `local_pieces`: a tp shard, an FSDP shard, a
 pipeline rank's stages), twice: the gradient as the optimizer will see it (reduced over every axis and
-unscaled, before clipping) and the update (the weights after the step minus before). Rank 0 gathers the
+unscaled, before clipping) and the update (the weights after the step minus before), with two more for the
+update: [sum of u*g, sum of |u*g|] over its elements u and their gradients g (as clipped; Adam divides each
+element by its own gradient's size, so an element whose gradient is zero in exact arithmetic, an attention
+key bias, moves by rounding noise of either sign, which u*g weighs at nothing). Rank 0 gathers the
 pieces, counts each box of a full tensor once (dp and cp replicas, tp ranks' copies of a replicated norm
 hold the same box) and sums the boxes of each parameter: the statistics of the full tensor, the same under
 every layout up to rounding. The last pipeline stage's copy of a tied embedding is left out (the first
 stage's counts, as in the gradient norm). `fingerprints.json` in run.dir then holds
   {"precision": ..., "layout": ..., "order": [names in the single-process definition order],
-   "steps": {"<step>": {"grad": {name: [sum, sumsq, abssum]}, "update": {...}}}}
+   "steps": {"<step>": {"grad": {name: [sum, sumsq, abssum]}, "update": {name: [sum, sumsq, abssum, dot, absdot]}}}}
 and grows by one step per fingerprinted step (a run that crashes keeps the steps it took). Off at 0: the
 step then pays nothing. During a fingerprinted step each rank keeps a copy of its weights (the update is
 a difference), and the gather moves a few numbers per parameter, outside comm/<axis>_bytes (a
@@ -49,7 +52,8 @@ def fingerprinted(trainer, step: int) -> Iterator[None]:
     grads = statistics([gradient(p) for p in pieces])
     before = [p.local.detach().clone() for p in pieces]
     yield
-    updates = statistics([p.local.detach() - b for p, b in zip(pieces, before, strict=True)])
+    updates = statistics([p.local.detach() - b for p, b in zip(pieces, before, strict=True)],
+                         [gradient(p) for p in pieces])  # as clipped: what the optimizer used
     mine = [(p.name, p.offsets, tuple(p.local.shape), where[i], {"grad": g, "update": u})
             for i, (p, g, u) in enumerate(zip(pieces, grads, updates, strict=True))]
     world = trainer.grid.world
@@ -79,15 +83,18 @@ def gradient(piece: Piece) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def statistics(tensors: list[torch.Tensor]) -> list[list[float]]:
-    """[sum, sum of squares, sum of |x|] of each tensor in float64, read from the device once."""
-    if not tensors:
-        return []
+def statistics(tensors: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> list[list[float]]:
+    """[sum, sum of squares, sum of |x|] of each tensor in float64, read from the device once; with `grads`
+    (of an update) also [sum of x*g, sum of |x*g|]."""
     rows = []
-    for t in tensors:
+    for i, t in enumerate(tensors):
         x = t.detach().to(torch.float64)
-        rows.append(torch.stack([x.sum(), (x * x).sum(), x.abs().sum()]))
-    return torch.stack(rows).cpu().tolist()
+        row = [x.sum(), (x * x).sum(), x.abs().sum()]
+        if grads is not None:
+            xg = x * grads[i].detach().to(torch.float64)
+            row += [xg.sum(), xg.abs().sum()]
+        rows.append(torch.stack(row))
+    return torch.stack(rows).cpu().tolist() if rows else []
 
 
 def merge(entries: list[list[Entry]]) -> tuple[dict[str, dict[str, list[float]]], list[str]]:
@@ -101,7 +108,7 @@ def merge(entries: list[list[Entry]]) -> tuple[dict[str, dict[str, list[float]]]
                 continue
             seen.add((name, tuple(offsets), tuple(shape)))
             for kind in PASSES:
-                total = totals[kind].setdefault(name, [0.0, 0.0, 0.0])
+                total = totals[kind].setdefault(name, [0.0] * len(stats[kind]))
                 totals[kind][name] = [a + b for a, b in zip(total, stats[kind], strict=True)]
     return totals, sorted(where, key=where.__getitem__)
 
