@@ -1,4 +1,5 @@
-"""Compare runs side by side: `python -m utils.compare RUN_DIR... [--out DIR]`.
+"""Compare runs side by side: `python -m utils.compare RUN_DIR... [--out DIR]`
+(and where two runs part: `--diverge RUN_A RUN_B`, utils/compare/diverge.py).
 
 Prints a markdown table with one row per run directory: layout and ranks, precision, steps, final and best
 train and validation loss, the task's headline metric (val/ppl for the language model, val/rmse/u10m for
@@ -137,8 +138,8 @@ def layout_of(run_dir: Path, parallel: dict) -> tuple[str, int]:
     facts = read_layout(run_dir)
     if facts is not None:
         return str(facts["name"]).replace("-", " x "), int(facts["world_size"])
-    from utils.comm import Axis, layout_name, parse_order
     from utils.cli.launch import ranks_needed
+    from utils.comm import Axis, layout_name, parse_order
 
     sizes = {axis: max(int(parallel.get(axis.value, 1)), 1) for axis in Axis}
     ranks = ranks_needed(SimpleNamespace(**{axis.value: size for axis, size in sizes.items()}))
@@ -332,11 +333,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run directories written by train.py (run.dir), or globs of them (expanded here)")
     parser.add_argument("--out", metavar="DIR", type=Path,
                         help="also write DIR/compare.md, DIR/compare.csv and PNG figures")
+    parser.add_argument("--diverge", action="store_true",
+                        help="RUN_A RUN_B: the first step, pass and module where two runs recorded with "
+                             "trainer.fingerprint_steps=N part (utils/compare/diverge.py); exit 1 if they do")
+    parser.add_argument("--rtol", type=float, metavar="R",
+                        help="with --diverge: the relative tolerance (default: that of the runs' precision)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.diverge:
+        from utils.compare.diverge import report
+
+        if len(args.runs) != 2 or args.out is not None:
+            exit_bad_input(ConfigError(f"--diverge takes two run directories, got {len(args.runs)}"
+                                       + (" and --out" if args.out is not None else ""), "--diverge",
+                                       "python -m utils.compare --diverge RUN_A RUN_B"))
+        return report(*args.runs, args.rtol)
     try:
         dirs = run_dirs(args.runs)
         require(args.out is None or not args.out.exists() or args.out.is_dir(), f"{args.out} is a file", "--out",

@@ -1,0 +1,153 @@
+"""Where two runs part: `python -m utils.compare --diverge RUN_A RUN_B [--rtol R]`.
+
+Reads the `fingerprints.json` both runs wrote (`trainer.fingerprint_steps=N`, utils/engine/fingerprints.py:
+per parameter and step, [sum, sum of squares, sum of |x|] of the full gradient before clipping and of the
+update u, and for the update also [sum of u*g, sum of |u*g|] with its gradient g) and scans them in the
+order a defect shows: step by step, in each step the gradient before the update, and in each pass the
+parameters in backward order (the reverse of their definition order, as the backward computes them: a
+defect's error appears first near the output and flows to the input from there). The first parameter
+whose statistics differ beyond the relative tolerance is the first divergence; its module is its name
+without the last component.
+
+A statistic's deviation is |a - b| over its scale: for the sum of squares and of |x|, the larger of the
+two; for the sum, the larger sum of |x| (a sum that cancels to near zero is only as exact as the values
+it adds). The gradient is judged by those three, the update by sum(u*g) and sum(|u*g|) over the larger
+sum(|u*g|): Adam moves an element whose gradient is zero in exact arithmetic (an attention key bias) by
+rounding noise of either sign, which its plain statistics count in full (measured: 1.2e-1 under bf16 tp2
+where the gradients agree to 4e-3) and u*g weighs at nothing.
+
+The default tolerance is that of the looser precision of the two runs: fp32 1e-4 (the layout contract);
+bf16 and fp16 the matrix's former bounds of 8 unit roundoffs of the autocast dtype (3.1e-2, 3.9e-3; tf32
+as fp16: 10 bits of mantissa), not its curve bounds (tests/test_matrix.py, derived from the spread of the
+loss, which moves less than a parameter's gradient).
+Exit status: 0 when the runs agree over the steps both recorded, 1 when they part, 2 (one line) when a
+run has no fingerprints or the two record different parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils import ConfigError, exit_bad_input, require
+
+FILE = "fingerprints.json"  # utils/engine/fingerprints.py FILE (not imported: this tool loads no torch)
+PASSES = {"grad": "gradient", "update": "update"}  # in the order a step computes them
+RTOL = {"fp32": 1e-4, "tf32": 8 * 2.0**-11, "bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
+STATS = ("sum", "sumsq", "abssum", "sum u*g", "sum |u*g|")
+SHOWN = 8  # parameters listed for the pass that parts
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One parameter of one pass of one step that differs beyond the tolerance."""
+
+    step: int
+    kind: str  # a key of PASSES
+    name: str
+    deviation: float
+    a: list[float]
+    b: list[float]
+
+    @property
+    def module(self) -> str:
+        return self.name.rpartition(".")[0] or self.name
+
+    def where(self) -> str:
+        return f"step {self.step}, {PASSES[self.kind]} pass, module {self.module} (parameter {self.name})"
+
+    def line(self) -> str:
+        values = "  ".join(f"{s} {x:.6g} vs {y:.6g}" for s, x, y in zip(STATS, self.a, self.b))
+        return f"  {self.name}: deviation {self.deviation:.2e}  ({values})"
+
+
+def load(run: str | Path) -> dict:
+    """A run directory's (or a file's) fingerprints; ConfigError when there are none."""
+    path = Path(run)
+    require(path.exists(), f"no run directory {path}", "RUN_DIR", "give the run.dir of a run")
+    path = path / FILE if path.is_dir() else path
+    require(path.is_file(), f"{path} does not exist (the run recorded no fingerprints)", "trainer.fingerprint_steps",
+            "train both runs with trainer.fingerprint_steps=N (e.g. 2) to record their first N steps")
+    return json.loads(path.read_text())
+
+
+def deviation(a: list[float], b: list[float]) -> float:
+    """The largest scaled difference of a gradient's [sum, sumsq, abssum], or of an update's [sum(u*g),
+    sum(|u*g|)] (its last two; see the module docstring); inf for a NaN."""
+    if len(a) == len(b) == 5:
+        pairs = [(a[3], b[3], max(a[4], b[4])), (a[4], b[4], max(a[4], b[4]))]
+    else:
+        pairs = [(a[0], b[0], max(a[2], b[2])), (a[1], b[1], max(a[1], b[1])), (a[2], b[2], max(a[2], b[2]))]
+    worst = 0.0
+    for x, y, scale in pairs:
+        diff = abs(x - y)
+        if math.isnan(diff) or math.isnan(scale):
+            return float("inf")
+        worst = max(worst, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf")))
+    return worst
+
+
+def tolerance(fa: dict, fb: dict, rtol: float | None) -> float:
+    return rtol if rtol is not None else max(RTOL.get(f["precision"], RTOL["fp16"]) for f in (fa, fb))
+
+
+def check_comparable(fa: dict, fb: dict) -> list[int]:
+    """The steps both recorded; ConfigError when the runs record different parameters or no common step."""
+    only = sorted(set(fa["order"]) ^ set(fb["order"]))
+    require(not only, f"the runs record different parameters ({', '.join(only[:3])}{' ...' if len(only) > 3 else ''})",
+            "RUN_DIR", "compare two runs of the same model")
+    steps = sorted(set(map(int, fa["steps"])) & set(map(int, fb["steps"])))
+    require(bool(steps), "the runs have no fingerprinted step in common", "trainer.fingerprint_steps",
+            "record the same first steps in both runs")
+    return steps
+
+
+def scan(fa: dict, fb: dict, rtol: float) -> list[tuple[int, str, list[Finding], tuple[float, str]]]:
+    """(step, pass, findings in backward order, (worst deviation, its parameter)) of each pass, in order,
+    up to and including the first that has findings."""
+    steps, backward = check_comparable(fa, fb), list(reversed(fa["order"]))
+    passes = []
+    for step in steps:
+        for kind in PASSES:
+            a, b = fa["steps"][str(step)][kind], fb["steps"][str(step)][kind]
+            deviations = [(deviation(a[name], b[name]), name) for name in backward]
+            findings = [Finding(step, kind, name, d, a[name], b[name]) for d, name in deviations if not d <= rtol]
+            passes.append((step, kind, findings, max(deviations, default=(0.0, ""))))
+            if findings:
+                return passes
+    return passes
+
+
+def first_divergence(path_a: str | Path, path_b: str | Path, rtol: float | None = None) -> str | None:
+    """'step S, <pass> pass, module M (parameter P)' where the two runs first part, or None."""
+    fa, fb = load(path_a), load(path_b)
+    passes = scan(fa, fb, tolerance(fa, fb, rtol))
+    findings = passes[-1][2] if passes else []
+    return findings[0].where() if findings else None
+
+
+def report(run_a: str, run_b: str, rtol: float | None) -> int:
+    """Print the scan, one line per pass and per parameter that parts; 1 when the runs part, else 0."""
+    try:
+        fa, fb = load(run_a), load(run_b)
+        bound = tolerance(fa, fb, rtol)
+        passes = scan(fa, fb, bound)
+    except ConfigError as err:
+        exit_bad_input(err)
+    print(f"A: {run_a} ({fa['layout']}, {fa['precision']})\nB: {run_b} ({fb['layout']}, {fb['precision']})")
+    print(f"relative tolerance {bound:.1e}, {len(fa['order'])} parameters scanned in backward order")
+    for step, kind, findings, (worst, name) in passes:
+        verdict = f"{len(findings)} of {len(fa['order'])} parameters part" if findings else "agree"
+        print(f"step {step} {PASSES[kind]}: {verdict} (largest deviation {worst:.2e}, {name})")
+        for finding in findings[:SHOWN]:
+            print(finding.line())
+        if len(findings) > SHOWN:
+            print(f"  ... and {len(findings) - SHOWN} more")
+    findings = passes[-1][2] if passes else []
+    if not findings:
+        print(f"no divergence over {len(passes) // len(PASSES)} steps")
+        return 0
+    print(f"first divergence: {findings[0].where()}, deviation {findings[0].deviation:.2e} > {bound:.1e}")
+    return 1
