@@ -1,4 +1,5 @@
-"""The few device calls the tools share, thin and device-agnostic: on the CPU each is a no-op or a plain answer.
+"""The few device calls the tools and the ring's blocks share, thin and device-agnostic: on the CPU each is a no-op
+or a plain answer (here, under the grid, so that distributed/ can use them too).
 
 - `synchronize(device)`: wait for the device's queued work (CUDA's stream; nothing on the CPU), around every
   host timer that times device work (utils/bench, utils/doctor).
