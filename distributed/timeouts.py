@@ -51,7 +51,8 @@ def set_group_timeouts(seconds: float) -> dict[str, float]:
     returns the timeouts they had."""
     before = group_timeouts()
     for pg in _groups():
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), pg)
+        if pg.group_name in before:  # a group with a timeout to set (not torch's fake one)
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), pg)
     return before
 
 
