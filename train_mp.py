@@ -6,7 +6,8 @@ by itself; this entry adds `--nproc N` (e.g. more data-parallel ranks than paral
 Starts world = tp*cp*pp*dp processes of `train.py` (dp = parallel.dp, or 1 when it is derived; or
 `--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs, else CPU processes
 on gloo. Returns the first non-zero exit status; when a rank fails, the others are stopped at once.
-Stop signals (also one received before the ranks start) are forwarded to the ranks, which checkpoint and exit (status 75); a rank
+Stop signals (also one received before the ranks start) are forwarded to the ranks, which checkpoint and exit
+(status 75); a rank
 never outlives the launcher. A script over utils/cli/local_launch.py, where all of this lives.
 """
 

@@ -129,7 +129,8 @@ def _group(busbw: float, spans: bool, ok: bool = True) -> dict:
 
 def test_bandwidth_verdicts_and_the_planner_figures():
     """Against the planner's cpu preset (5 GB/s): pass at 0.8 of it (ACHIEVABLE_FRACTION), warn below, fail below
-    the fraction or on a wrong value; intra/inter are medians over the axes inside one node / spanning nodes, at the largest size."""
+    the fraction or on a wrong value; intra/inter are medians over the axes inside one node / spanning nodes, at the
+    largest size."""
     cpu = torch.device("cpu")
     statuses = {name: [c.status for c in bandwidth_checks({"tp": group}, cpu, 0.25)] for name, group in
                 {"fast": _group(6.0, False), "slow": _group(2.0, False), "broken": _group(1.0, False),
@@ -169,4 +170,5 @@ def test_the_slurm_script_checks_one_node_and_refuses_more():
     assert proc.stderr.startswith("error: submit/doctor.sh checks one node, the job has 2 (--nodes)")
     assert len(proc.stderr.strip().splitlines()) == 1
     text = (ROOT / "submit" / "doctor.sh").read_text()
-    assert "python -m utils.doctor \"$@\"" in text and "#SBATCH --nodes=1" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert "python -m utils.doctor \"$@\"" in text and "#SBATCH --nodes=1" in text
+    assert "#SBATCH --ntasks-per-node=1" in text

@@ -29,6 +29,7 @@ def test_gloo_follows_nccls_interface(nccl, master, want):
 
 def test_the_job_environment_exports_it_and_keeps_the_users():
     job = {"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "7", "NCCL_SOCKET_IFNAME": "lo"}
-    stub = "scontrol() { echo 127.0.0.1; }; export_environment && bash -c 'echo $GLOO_SOCKET_IFNAME'"  # a child: exported
+    # a child shell reads it: exported
+    stub = "scontrol() { echo 127.0.0.1; }; export_environment && bash -c 'echo $GLOO_SOCKET_IFNAME'"
     assert _sourced(stub, **job) == "lo"
     assert _sourced(stub, GLOO_SOCKET_IFNAME="ib7", **job) == "ib7"

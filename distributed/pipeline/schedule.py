@@ -21,9 +21,9 @@ import time
 from collections import deque
 
 import torch
-from torch.distributed.tensor import DTensor
 import torch.distributed.pipelining.schedules as torch_schedules
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distributed.collectives import all_reduce_, broadcast_, recv, send
 from distributed.data_parallel import sum_grads

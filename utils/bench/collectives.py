@@ -83,7 +83,8 @@ def run(argv: list[str]) -> str:
     if grid.global_rank != 0:
         return ""
     backend = torch.distributed.get_backend(axis.group)
-    lines = [f"{datetime.date.today()}, {device_name(grid.device)}, {backend}, {world} ranks, torch {torch.__version__}, "
+    lines = [f"{datetime.date.today()}, {device_name(grid.device)}, {backend}, {world} ranks, "
+             f"torch {torch.__version__}, "
              f"shape {tuple(shape)} {full.dtype}, {reps} interleaved repetitions",
              "| collective | bytes sent per rank | median ms | quartiles ms |", "|---|---|---|---|"]
     for name, values in times.items():

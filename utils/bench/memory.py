@@ -1,4 +1,5 @@
-"""python -m utils.bench.memory [key=value ...] [--layout NAME=SETTINGS ...] [--resume NAME] [--init-from DIR] [--out DIR]
+"""python -m utils.bench.memory [key=value ...] [--layout NAME=SETTINGS ...] [--resume NAME] [--init-from DIR]
+[--out DIR]
 
 The memory table of a model: each layout trained for 3 of 4 steps, ending with a checkpoint, through train_mp.py; then
 the first layout's checkpoint resumed under `--resume`'s layout (the load phase) and, with `--init-from`, a
@@ -29,7 +30,8 @@ import torch
 
 from utils import ConfigError, exit_bad_input, require
 
-COMMON = ["trainer.max_steps=4", "trainer.stop_at_step=3", "trainer.ckpt_every=3", "trainer.val_every=0", "trainer.val_at_start=false",
+COMMON = ["trainer.max_steps=4", "trainer.stop_at_step=3", "trainer.ckpt_every=3", "trainer.val_every=0",
+          "trainer.val_at_start=false",
           "trainer.num_workers=0", "trainer.log_every=1", "trainer.global_batch_size=8"]
 
 
@@ -94,7 +96,8 @@ def measure(overrides: list[str], layouts: dict[str, list[str]], options: dict, 
     if hasattr(load_config(overrides)[0].model, "num_kv_heads"):
         tiny += ["model.num_kv_heads=0", "model.mlp_hidden=0"]
     overhead = run([*overrides, *COMMON, *tiny, "trainer.ckpt_every=0"], out / "overhead")["end"][0]
-    worlds = {name: ranks_needed(load_config([*overrides, *settings])[0].parallel) for name, settings in layouts.items()}
+    worlds = {name: ranks_needed(load_config([*overrides, *settings])[0].parallel)
+              for name, settings in layouts.items()}
     rows = [(name, run([*overrides, *COMMON, *settings], out / name)) for name, settings in layouts.items()]
     if options["resume"]:
         source = next(name for name in layouts if name != options["resume"])

@@ -32,6 +32,7 @@ def init_model_parallel(tp: int, device):
     device this rank uses."""
     import torch
     import torch.distributed as dist
+
     from utils import comm  # the tutorial's
 
     if device.type == "cuda":
@@ -55,6 +56,7 @@ def wrap_model_parallel(model, device):
 def main(seed_dir: str, spec: dict) -> dict:
     sys.path[0] = seed_dir  # the tutorial's packages, not this folder's modules
     import torch
+
     from networks.vit import ViT
     from utils.loss import l2_loss
 

@@ -157,11 +157,13 @@ def seed_row(seed_dir: Path, cfg, trainer, warmup: int, steps: int) -> str:
     """The table row of the tutorial's ViT at this run's shape (utils/bench/seed_step.py, its own interpreter)."""
     script = Path(__file__).with_name("seed_step.py")
     spec = seed_spec(cfg, trainer.task, trainer.device, warmup, steps)
-    proc = subprocess.run([sys.executable, str(script), str(seed_dir), json.dumps(spec)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(script), str(seed_dir), json.dumps(spec)], capture_output=True,
+                          text=True)
     require(proc.returncode == 0, f"the NERSC tutorial's ViT failed: {proc.stderr.strip().splitlines()[-1:]}",
             "--seed-dir", "check the checkout (python utils/bench/seed_step.py runs it alone)")
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
-    commit = subprocess.run(["git", "-C", str(seed_dir), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    commit = subprocess.run(["git", "-C", str(seed_dir), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True)
     name = f"NERSC tutorial ViT{' @' + commit.stdout.strip() if commit.returncode == 0 else ''}"
     perf = trainer.throughput(measured["seconds"])
     return row(cfg, trainer, name, perf, measured["peak_gib"], "n/a")

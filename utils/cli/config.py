@@ -90,7 +90,8 @@ class TrainerConfig:
                 "trainer.nonfinite", "choose stop or skip")
         require(self.max_skipped_steps > 0, "max_skipped_steps must be positive", "trainer.max_skipped_steps",
                 "set a positive number of steps")
-        require(self.device in ("auto", "cpu"), f"unknown device {self.device!r}", "trainer.device", "choose auto or cpu")
+        require(self.device in ("auto", "cpu"), f"unknown device {self.device!r}", "trainer.device",
+                "choose auto or cpu")
         require(self.hang_timeout_s >= 0, "hang_timeout_s must be >= 0", "trainer.hang_timeout_s",
                 "set 0 (off) or the seconds a step, validation or checkpoint may take at most")
         steps = self.profile_steps

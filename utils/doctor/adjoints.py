@@ -106,5 +106,6 @@ def adjoint_checks(axis: AxisGroup, device: torch.device) -> list[Check]:
         for name, dev in worst.items():
             checks.append(Check("mappings", f"{name} on {axis.name} ({axis.size} ranks), {kind}",
                                 "pass" if dev <= tol else "fail", errors.get(name, f"<f(x),y> and <x,f*(y)> differ by "
-                                f"{dev:.2g} of their terms, tolerance {tol:.2g}"), {"deviation": dev, "tolerance": tol}))
+                                f"{dev:.2g} of their terms, tolerance {tol:.2g}"),
+                                {"deviation": dev, "tolerance": tol}))
     return checks

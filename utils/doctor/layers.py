@@ -18,8 +18,14 @@ import torch
 from torch import nn
 
 from distributed.data_parallel import sync_partial_grads
-from distributed.tensor.layers import (ColumnParallelLinear, GroupedQKVParallelLinear, RowParallelLinear,
-                                       SequenceParallelNorm, SequenceShards, shard)
+from distributed.tensor.layers import (
+    ColumnParallelLinear,
+    GroupedQKVParallelLinear,
+    RowParallelLinear,
+    SequenceParallelNorm,
+    SequenceShards,
+    shard,
+)
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.transformer import CausalLMLoss
 from utils.comm import AxisGroup

@@ -65,7 +65,8 @@ def build(cfg, grid: Grid, tmp: Path):
 
 def serial_curve(cfg, device: torch.device, steps: int, tmp: Path) -> dict[str, list[float]] | str:
     """The single-device losses, or why there are none (the model does not fit one device)."""
-    single = dataclasses.replace(cfg, parallel=ParallelConfig(), trainer=dataclasses.replace(cfg.trainer, ckpt_async=False))
+    single = dataclasses.replace(cfg, parallel=ParallelConfig(),
+                                 trainer=dataclasses.replace(cfg.trainer, ckpt_async=False))
     try:
         return curve(build(single, Grid.serial(device), tmp / "single"), steps)
     except torch.OutOfMemoryError:
