@@ -39,6 +39,7 @@ def _bias_kernel(calls: list):
     """The efficient kernel's (forward, backward) as documented, on the CPU: additive bias, float32 sums."""
     def scores(q, k, bias, scale):
         assert bias is not None and bias.dtype == q.dtype and bias.stride(-2) % blocks.BIAS_ALIGN == 0
+        assert bias.shape == (*q.shape[:-1], k.shape[-2]), "expanded over batch and heads, as SDPA passes it"
         return torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale + bias.float()
 
     def forward(q, k, v, causal, scale, bias=None):

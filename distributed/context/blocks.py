@@ -166,9 +166,12 @@ def _repeat(x: torch.Tensor, group: int) -> torch.Tensor:
     return (x if group == 1 else x.repeat_interleave(group, dim=1)).contiguous()
 
 
-def _kernel_mask(mask: torch.Tensor | None, causal: bool, rows: int, dtype: torch.dtype) -> dict:
-    """The kernel's `bias` keyword for an arbitrary mask (none for no mask or the square causal one)."""
-    return {} if mask is None or causal else {"bias": mask_bias(mask, rows, dtype)}
+def _kernel_mask(mask: torch.Tensor | None, causal: bool, q: torch.Tensor, nk: int) -> dict:
+    """The kernel's `bias` keyword for an arbitrary mask (none for no mask or the square causal one), expanded to
+    the unfolded queries q (B, H, rows, d) as torch's SDPA expands it (strides 0 over batch and heads)."""
+    if mask is None or causal:
+        return {}
+    return {"bias": mask_bias(mask, q.shape[-2], q.dtype).expand(q.shape[0], q.shape[1], q.shape[-2], nk)}
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -179,9 +182,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     kind = select_kernel(compute_capability(q.device), q.dtype, q.shape[-1], mask is not None and not causal)
     if kind == "math":
         return block_attention(q, k, v, mask, scale)
-    rows, dtype = q.shape[-2] // group, compute_dtype(q.dtype)
-    out, lse = _KERNELS[kind][0](_heads(q, group), _repeat(k, group), _repeat(v, group), causal, scale,
-                                 **_kernel_mask(mask, causal, rows, q.dtype))
+    rows, dtype, heads = q.shape[-2] // group, compute_dtype(q.dtype), _heads(q, group)
+    out, lse = _KERNELS[kind][0](heads, _repeat(k, group), _repeat(v, group), causal, scale,
+                                 **_kernel_mask(mask, causal, heads, k.shape[-2]))
     lse = lse_from_kernel(lse, kind, rows, dtype)
     if mask is not None and not causal:  # rows that see no key: out 0 and lse -inf, as block_attention gives
         seen = mask[:rows].any(dim=-1)  # (rows,)
@@ -199,8 +202,9 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     if kind == "math":
         return block_backward(q.to(dtype), k, v, dout.to(dtype), delta, lse, mask, scale)
     lse = lse.masked_fill(~torch.isfinite(lse), 0.0)  # a row that saw no key: p = exp(-inf) = 0, as block_backward
-    dq, dk, dv = _KERNELS[kind][1](_heads(dout, group), _heads(q, group), _repeat(k, group), _repeat(v, group),
+    heads = _heads(q, group)
+    dq, dk, dv = _KERNELS[kind][1](_heads(dout, group), heads, _repeat(k, group), _repeat(v, group),
                                    _heads(out, group), lse_to_kernel(_heads(lse, group), kind), causal, scale,
-                                   **_kernel_mask(mask, causal, q.shape[-2] // group, q.dtype))
+                                   **_kernel_mask(mask, causal, heads, k.shape[-2]))
     total = lambda t: t.unflatten(1, (-1, group)).sum(2).to(dtype)  # noqa: E731  each group's heads summed
     return _fold(dq, group).to(dtype), total(dk), total(dv)
