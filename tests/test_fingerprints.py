@@ -95,7 +95,8 @@ def test_a_defect_on_one_tp_rank_is_found_in_its_module(runs, capsys):
 
 @pytest.mark.slow
 def test_another_learning_rate_parts_at_the_first_update(runs):
-    assert first_divergence(runs("single"), runs("lr"), 1e-4) == "step 1, update pass, module norm (parameter norm.bias)"
+    expected = "step 1, update pass, module norm (parameter norm.bias)"  # the gradients equal, the last module
+    assert first_divergence(runs("single"), runs("lr"), 1e-4) == expected
 
 
 def test_missing_fingerprints_are_refused_with_one_line(tmp_path, capsys):

@@ -283,7 +283,8 @@ def plot_scaling(plt, rows: list[dict[str, object]], path: Path) -> None:
         smallest = min(row["ranks"] for row in shown)
         base = max(row["samples_per_sec"] for row in shown if row["ranks"] == smallest)
         ranks = sorted({row["ranks"] for row in shown})
-        ax.plot(ranks, [base * n / smallest for n in ranks], "k--", label=f"ideal linear scaling from {smallest} rank(s)")
+        ax.plot(ranks, [base * n / smallest for n in ranks], "k--",
+                label=f"ideal linear scaling from {smallest} rank(s)")
         colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # each run's colour in the loss figures
         for i, row in enumerate(rows):
             if row["samples_per_sec"] is None:
