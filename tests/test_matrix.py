@@ -35,7 +35,9 @@ from tests.matrix import MODEL_ARGS, Case, Mismatch, covering_set, random_cases
 from tests.rank_pool import run_entry_ranks
 
 STEPS = 4
-COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
+# fingerprints of every step (utils/engine/fingerprints.py): a failing case names where it parts from the
+# single-process run (utils/compare/diverge.py), and so does each planted bug's report
+COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=1", f"trainer.fingerprint_steps={STEPS}"]
 # The largest relative deviation of a correct layout from the single-process run, per (model, precision): CPU
 # (Intel Xeon, AVX-512, 2 cores), torch 2.13.0, 2026-11-27; (cases measured) beside each. docs/testing.md.
 SPREAD = {("vit", "bf16"): 3.6e-5,  # 20
@@ -106,7 +108,7 @@ def references(tmp_path_factory, request):
             results, run_dir = run_case(tmp, name, case.model, roots[case.model],
                                         [f"precision={case.precision}", f"trainer.grad_accum_steps={key[2]}"], 1)
             assert_exit(results, 0)
-            made[key] = summary(run_dir)
+            made[key] = {**summary(run_dir), "dir": run_dir}
         return made[key]
 
     return get
@@ -141,7 +143,17 @@ def check_case(case: Case, tmp_path: Path, request, references) -> None:
     if report := os.environ.get("DLSCALE_MATRIX_REPORT"):  # the deviations docs/testing.md states
         with open(report, "a") as out:
             out.write(f"{case.name} {case.precision} {worst_deviation(reference, got):.3e}\n")
-    assert_follows(reference, got, case.model, case.precision)
+    try:
+        assert_follows(reference, got, case.model, case.precision)
+    except Mismatch as err:  # where the two runs part, on the message's first line (the plants' reports show it)
+        from utils.compare.diverge import first_divergence
+
+        first, _, rest = str(err).partition("\n")
+        try:
+            where = first_divergence(reference["dir"], run_dir) or "no parameter's gradient or update parts"
+        except Exception as failed:  # noqa: BLE001 - the comparison's verdict stands without its localisation
+            where = f"? (the localiser failed: {failed})"
+        raise Mismatch(f"{first}; parts first at {where}\n{rest}".rstrip()) from None
     if case.cp > 1 and case.precision != "fp32":  # the attention as built for the case (tests/attention_accuracy.py)
         try:
             run_ranks(check_rank, case.world, tmp_path, case_argv(run_dir, case.model, root, case.overrides()))
