@@ -32,7 +32,8 @@ from utils.comm import AxisGroup, Grid
 
 def _allreduce_mean_hook(state, bucket):
     """DDP comm hook: all-reduce one flat gradient bucket (dist.GradBucket) over `axis` and divide it by
-    `parts` (state = (grid.replicas, grid.batch's size)), counting its ring volume; returns a Future of the reduced buffer.
+    `parts` (state = (grid.replicas, grid.batch's size)), counting its ring volume; returns a Future of the
+    reduced buffer.
 
     Unannotated on purpose: DDP compares the annotations with dist.GradBucket and torch.futures.Future
     objects, which `from __future__ import annotations` would turn into strings.

@@ -2,9 +2,9 @@
 
 A parameter sharded over an axis contributes its local sum of squares, summed over that axis (one
 counted all-reduce per axis); a replicated parameter contributes once. Under FSDP (distributed/fsdp.py)
-a gradient is a DTensor sharded over dp x cp: its local squares are summed over that axis too. Parallel layers declare which
-of their parameters are sharded (`sharded_params`, a tuple of parameter names, and `shard_axis`, the
-AxisGroup they are split over); everything else is replicated.
+a gradient is a DTensor sharded over dp x cp: its local squares are summed over that axis too. Parallel
+layers declare which of their parameters are sharded (`sharded_params`, a tuple of parameter names, and
+`shard_axis`, the AxisGroup they are split over); everything else is replicated.
 """
 
 from __future__ import annotations

@@ -28,11 +28,12 @@ bytes(gathered output), reduce-scatter (n-1)/n x bytes(full input); for uneven s
 padded buffer actually sent. A reduce-scatter on gloo runs as an all-reduce that keeps this rank's
 chunk (cheaper there; `distributed.collectives.reduce_scatter_via`) and counts the all-reduce's
 2(n-1)/n x bytes(full input); NCCL keeps Megatron's reduce-scatter. Recording goes through
-`distributed.counting.record`, whose custom op torch.compile keeps in its graphs, so compiled regions count the same bytes as eager ones, in the
-forward and in the compiled backward. Byte counts stay integer arithmetic (SymInts under dynamic
-shapes: no specialization). Activation checkpointing: eager recomputation re-runs the forward
-collectives and counts them again; in a compiled checkpointed block the partitioner chooses which
-collectives to recompute and does not count those again (the counting op is never recomputed).
+`distributed.counting.record`, whose custom op torch.compile keeps in its graphs, so compiled regions
+count the same bytes as eager ones, in the forward and in the compiled backward. Byte counts stay integer
+arithmetic (SymInts under dynamic shapes: no specialization). Activation checkpointing: eager
+recomputation re-runs the forward collectives and counts them again; in a compiled checkpointed block the
+partitioner chooses which collectives to recompute and does not count those again (the counting op is
+never recomputed).
 """
 
 from __future__ import annotations

@@ -30,11 +30,12 @@ from torch import nn
 
 from utils.comm import Axis, AxisGroup, Grid
 
+
 def seed_default_stream(seed: int, grid: Grid, step: int = 0) -> int:
     """Seed the default stream (torch and Python's `random`) for dropout, distinct per rank of
-    `grid.batch` (other samples) and pipeline rank and shared by the tp and cp ranks of a replica: at step 0 after setup, and at
-    `step` when a checkpoint of another layout is resumed (its per-rank states do not map onto this one's).
-    Returns the seed."""
+    `grid.batch` (other samples) and pipeline rank and shared by the tp and cp ranks of a replica: at
+    step 0 after setup, and at `step` when a checkpoint of another layout is resumed (its per-rank states
+    do not map onto this one's). Returns the seed."""
     replica = grid.batch.rank + grid.batch.size * grid.rank(Axis.PP)
     value = seed * 1_000_003 + 1 + replica + step * 2**32
     torch.manual_seed(value)

@@ -105,8 +105,9 @@ class GPTConfig:
                 "set e.g. 10000 (GPT-NeoX) or 500000 (Llama 3)")
         require(self.rope_scaling_factor == 0 or (self.rope_scaling_factor >= 1
                 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor and self.rope_original_positions > 0),
-                f"rope scaling factor {self.rope_scaling_factor}, low/high frequency factors {self.rope_low_freq_factor}"
-                f"/{self.rope_high_freq_factor}, original positions {self.rope_original_positions}",
+                f"rope scaling factor {self.rope_scaling_factor}, low/high frequency factors "
+                f"{self.rope_low_freq_factor}/{self.rope_high_freq_factor}, "
+                f"original positions {self.rope_original_positions}",
                 "model.rope_scaling_factor", "set 0 (off), or a factor >= 1 with 0 < low < high frequency factors")
         require(self.init_std > 0, f"init_std must be positive, got {self.init_std}", "model.init_std",
                 "set a positive std, e.g. 0.02")
@@ -204,7 +205,8 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
         self.criterion = CausalLMLoss(vocab_size)
-        if not self.tok_embed.weight.is_meta:  # a meta build is initialised shard by shard (utils/engine/materialize.py)
+        # a meta build is initialised shard by shard (utils/engine/materialize.py)
+        if not self.tok_embed.weight.is_meta:
             initialize(self, torch.initial_seed())
 
     def init_rules(self) -> dict[str, Init]:

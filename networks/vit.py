@@ -50,7 +50,8 @@ class ViTConfig:
         require(self.embed_dim % self.num_heads == 0,
                 f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}",
                 "model.embed_dim", "choose embed_dim a multiple of model.num_heads")
-        require(0.0 <= self.dropout < 1.0, f"dropout {self.dropout} outside [0, 1)", "model.dropout", "set 0 <= dropout < 1")
+        require(0.0 <= self.dropout < 1.0, f"dropout {self.dropout} outside [0, 1)", "model.dropout",
+                "set 0 <= dropout < 1")
 
 
 class ViT(nn.Module):

@@ -32,8 +32,9 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="stress_"))
     failures = 0
     for i in range(args.runs):
-        cmd = [sys.executable, str(ROOT / "train_mp.py"), "parallel=tp2", "trainer.max_steps=30", "trainer.val_every=10",
-               "trainer.ckpt_every=10", "trainer.num_workers=2", f"run.dir={out / f'run{i:03d}'}", *args.overrides]
+        cmd = [sys.executable, str(ROOT / "train_mp.py"), "parallel=tp2", "trainer.max_steps=30",
+               "trainer.val_every=10", "trainer.ckpt_every=10", "trainer.num_workers=2",
+               f"run.dir={out / f'run{i:03d}'}", *args.overrides]
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         crash = [line for line in (proc.stdout + proc.stderr).splitlines() if CRASH.search(line)]

@@ -198,4 +198,5 @@ def test_utils_holds_the_grid_and_subpackages_by_concern():
     loose = sorted(p.name for p in (ROOT / "utils").glob("*.py"))
     assert loose == ["__init__.py", "comm.py"]
     packages = sorted(p.parent.name for p in (ROOT / "utils").glob("*/__init__.py"))
-    assert packages == ["bench", "checkpoints", "cli", "compare", "data", "doctor", "engine", "forecast", "plan", "tasks"]
+    assert packages == ["bench", "checkpoints", "cli", "compare", "data", "doctor", "engine", "forecast", "plan",
+                        "tasks"]

@@ -4,17 +4,17 @@ re-raises (the checkpoint may be good: falling back would let the next save's pr
 checkpoint found unreadable is moved aside, never deleted."""
 
 import errno
-import logging
 import fcntl
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import utils.checkpoints.sharded_state as sharded_state
 from tests.test_checkpoint import resumed_step, save, saved
 from tests.test_wikitext import load, write_text
-import utils.checkpoints.sharded_state as sharded_state
 
 
 def test_cache_builds_without_flock(tmp_path, monkeypatch):

@@ -27,9 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
-
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, CheckpointWrapper,
-                                                                     checkpoint_wrapper)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
 
 from distributed.block_wrappers import wrap_blocks
 from distributed.tensor.layers import TensorParallelLayer

@@ -24,8 +24,9 @@ GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")
 # What a preset needs beside it to pass the rules between groups.
 NEEDS = {"model=gpt_tiny": ["data=wikitext_sample"], "model=gpt_small": ["data=wikitext_sample"],
          "model=gpt_medium": ["data=wikitext_sample"],
-         **{f"model=llama_{size}": ["data=wikitext_sample"] for size in ("tiny", "1b", "8b")}, "data=wikitext": ["model=gpt_tiny"],
-         "data=wikitext_sample": ["model=gpt_tiny"], "parallel=tp8": ["model.num_heads=8"]}
+         **{f"model=llama_{size}": ["data=wikitext_sample"] for size in ("tiny", "1b", "8b")},
+         "data=wikitext": ["model=gpt_tiny"], "data=wikitext_sample": ["model=gpt_tiny"],
+         "parallel=tp8": ["model.num_heads=8"]}
 # Combinations: command-line groups and keys over an experiment, settings beyond the presets (a digest).
 COMBINATIONS = [
     ["experiment=short", "precision=bf16"], ["experiment=short_opt", "parallel=dp"],

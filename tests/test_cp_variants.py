@@ -1,12 +1,13 @@
 """Every `parallel.cp_attention` variant at op level: `ContextParallelAttention` on cp=2 and 4 gloo ranks.
 
-For each variant (allgather, ring, alltoall; hierarchical at cp=4 as 2 groups of 2), causal (the balanced layout) and non-causal (contiguous,
-even and uneven lengths), with as many key/value heads as query heads and with grouped K/V (grouped-query
-attention), the output and dQ, dK, dV of each rank's own tokens equal serial SDPA over the full sequence
-within 1e-10 (float64); the all-to-all's bytes on the cp axis equal its docstring's formula. Under bf16
-autocast (as the trainer calls attention) each variant is as accurate against float64 as serial SDPA under
-the same autocast on the same peaked inputs (tests/attention_accuracy.py's measure and slack; the matrix
-checks the same on the variants as its cases build them, at cp=2 only).
+For each variant (allgather, ring, alltoall; hierarchical at cp=4 as 2 groups of 2), causal (the balanced
+layout) and non-causal (contiguous, even and uneven lengths), with as many key/value heads as query heads
+and with grouped K/V (grouped-query attention), the output and dQ, dK, dV of each rank's own tokens equal
+serial SDPA over the full sequence within 1e-10 (float64); the all-to-all's bytes on the cp axis equal
+its docstring's formula. Under bf16 autocast (as the trainer calls attention) each variant is as accurate
+against float64 as serial SDPA under the same autocast on the same peaked inputs
+(tests/attention_accuracy.py's measure and slack; the matrix checks the same on the variants as its cases
+build them, at cp=2 only).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ Running a command means its cheap form:
 
 Named things: a repo path (a file or folder under a top-level folder of the project, a markdown link or
 image), a config key (`group=option` against config/<group>/, `section.key` against the keys of each model and
-data preset composed), a python module (`python -m x.y`, and a dotted name of the project `utils.cli.config.load_config`:
-the module's file and the name defined at its top), a test named as `tests/test_x.py::test_name`. Hydra's
-own keys (`hydra.*`, `hydra/launcher=`) are not checked. Both tests print their counts on the terminal.
+data preset composed), a python module (`python -m x.y`, and a dotted name of the project
+`utils.cli.config.load_config`: the module's file and the name defined at its top), a test named as
+`tests/test_x.py::test_name`. Hydra's own keys (`hydra.*`, `hydra/launcher=`) are not checked. Both tests
+print their counts on the terminal.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import io
 import re
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 

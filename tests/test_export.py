@@ -10,7 +10,8 @@ from utils.engine.build import build_run
 
 
 def make_trainer(run_dir, *overrides):
-    cfg, choices, yaml = load_config([f"run.dir={run_dir}", "trainer.num_workers=0", "trainer.max_steps=10", *overrides])
+    cfg, choices, yaml = load_config([f"run.dir={run_dir}", "trainer.num_workers=0", "trainer.max_steps=10",
+                                      *overrides])
     return build_run(cfg, choices, yaml)
 
 

@@ -168,7 +168,8 @@ def test_bf16_rollouts_follow_the_fp32_rollout(single, era5_root, tmp_path):
     (["model=gpt_tiny", "data=wikitext_sample", "trainer.rollout_every=5"],
      "error: rollouts are forecasts of the weather model (trainer.rollout_every): set trainer.rollout_every=0 for "
      "the language model"),
-    (["trainer.rollout_steps=0"], "error: rollout_steps must be positive (trainer.rollout_steps): set a positive integer"),
+    (["trainer.rollout_steps=0"],
+     "error: rollout_steps must be positive (trainer.rollout_steps): set a positive integer"),
     (["trainer.rollout_train_steps=2", "parallel.pp=2"],
      "error: trainer.rollout_train_steps=2 with parallel.pp=2: a rollout feeds the last stage's prediction back to "
      "the first stage within one step, which the pipeline schedules do not do (trainer.rollout_train_steps): use "
@@ -327,5 +328,6 @@ def test_fine_tuning_from_another_model_or_no_checkpoint_is_one_line(single, era
         f"error: {tmp_path / 'none'} is not a complete checkpoint (trainer.init_from): give a step_* folder of a "
         "run's checkpoints/ that holds a COMPLETE marker, or a Hugging Face model folder"]
     results = run_entry_ranks([*QUIET, f"data.root={era5_root}", f"run.dir={tmp_path / 'b'}", "model.depth=2",
-                               "trainer.max_steps=1", f"trainer.init_from={single / 'checkpoints' / 'step_0000001'}"], 1)
+                               "trainer.max_steps=1",
+                               f"trainer.init_from={single / 'checkpoints' / 'step_0000001'}"], 1)
     assert [r.value for r in results] == [2] and "holds another model" in results[0].stderr

@@ -7,9 +7,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import run_ranks
-from utils.comm import (AXES, Axis, Grid, ParallelConfig, batch_parts, init_grid, parse_order, rank_layout,
-                        resolve_sizes)
 from utils import ConfigError
+from utils.comm import AXES, Axis, Grid, ParallelConfig, batch_parts, init_grid, parse_order, rank_layout, resolve_sizes
 
 
 def _layout(world: int, order: str, **sizes) -> dict[Axis, list[list[int]]]:

@@ -54,7 +54,8 @@ def boxes(name: str, shape: tuple[int, ...], gen: torch.Generator) -> list[tuple
     out = [tuple(slice(0, n) for n in shape)]
     for _ in range(8):
         starts = [int(torch.randint(0, n, (), generator=gen)) for n in shape]
-        out.append(tuple(slice(s, s + int(torch.randint(1, n - s + 1, (), generator=gen))) for s, n in zip(starts, shape)))
+        out.append(tuple(slice(s, s + int(torch.randint(1, n - s + 1, (), generator=gen)))
+                         for s, n in zip(starts, shape)))
     if name.endswith((".qkv.weight", ".qkv.bias", "fc1.weight")):
         rest = tuple(slice(0, n) for n in shape[1:])
         out += [(slice(r, r + 1), *rest) for r in range(shape[0])]

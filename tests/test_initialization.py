@@ -53,7 +53,8 @@ def test_streams_depend_on_the_seed_and_the_name():
 
 
 def test_padding_changes_no_real_row():
-    real, padded = whole(Init("normal", 1.0, valid_rows=100), (100, 16)), whole(Init("normal", 1.0, valid_rows=100), (128, 16))
+    real = whole(Init("normal", 1.0, valid_rows=100), (100, 16))
+    padded = whole(Init("normal", 1.0, valid_rows=100), (128, 16))
     assert torch.equal(padded[:100], real) and not padded[100:].any()
     assert block_rows((100, 16)) == block_rows((128, 16))
 
@@ -73,15 +74,16 @@ LAYOUTS = {
     "pp2_fsdp2": ("parallel.pp=2", "parallel.dp_mode=fsdp", "parallel.pp_schedule=gpipe"),
     "fsdp4": ("parallel.dp_mode=fsdp",),
     "tp4": ("parallel.tp=4",),
-    "tp2_dp2": ("parallel.tp=2",),  # DDP replicas  # llama_tiny: 2 key/value heads, so the fused QKV is replicated over tp
+    # llama_tiny: 2 key/value heads, so the fused QKV is replicated over tp
+    "tp2_dp2": ("parallel.tp=2",),  # DDP replicas
 }
 MODELS = {
     "gpt": [*TINY_GPT, *NARROW, "model.depth=2"],  # tied head: the last stage draws the embedding's stream
     "llama": ["model=llama_tiny", *TINY_GPT[1:], *NARROW, "model.depth=2", "model.vocab_multiple=48"],
     "vit": [*NARROW, "model.depth=2"],  # 1-row position table: empty FSDP chunks on three of four ranks
 }
-CASES = [("gpt", "tp2_fsdp2"), ("gpt", "tp2_dp2"), ("gpt", "pp2_tp2"), ("gpt", "pp2_fsdp2"), ("llama", "tp4"), ("llama", "pp2_fsdp2"),
-         ("vit", "fsdp4"), ("vit", "pp2_tp2")]
+CASES = [("gpt", "tp2_fsdp2"), ("gpt", "tp2_dp2"), ("gpt", "pp2_tp2"), ("gpt", "pp2_fsdp2"),
+         ("llama", "tp4"), ("llama", "pp2_fsdp2"), ("vit", "fsdp4"), ("vit", "pp2_tp2")]
 
 
 def _build_and_save(rank: int, world_size: int, argv: list[str], folder: str) -> None:

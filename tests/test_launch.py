@@ -59,8 +59,8 @@ def test_a_rank_whose_partner_failed_its_checks_does_not_hang(tmp_path, era5_roo
 def test_launch_environments():
     import pytest
 
-    from utils.cli.launch import launch_env
     from utils import ConfigError
+    from utils.cli.launch import launch_env
 
     assert launch_env({}).world_size == 1
     torchrun = launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
@@ -203,8 +203,8 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
 
     import torch
 
-    from utils.checkpoints.sharded_state import read_full
     from tests.helpers import read_scalars
+    from utils.checkpoints.sharded_state import read_full
 
     def torchrun(name: str, restarts: int) -> tuple[subprocess.Popen, list[str]]:
         import threading
@@ -214,7 +214,8 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
                 f"data.root={era5_root}", f"run.dir={tmp_path / name}", "parallel.dp=2", "trainer.max_steps=12",
                 "trainer.val_every=0", "trainer.ckpt_every=3", "trainer.num_workers=0", "trainer.log_every=1"]
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+                                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
         return proc, lines
@@ -225,7 +226,8 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
         assert killed.poll() is None and time.time() < deadline, "".join(out[-30:])
         time.sleep(0.05)
     os.kill(_rank_pid(tmp_path / "killed", 1), signal.SIGKILL)
-    killed_at, saved = time.time(), [line.split("step_")[-1].strip() for line in list(out) if "saved checkpoint" in line]
+    killed_at = time.time()
+    saved = [line.split("step_")[-1].strip() for line in list(out) if "saved checkpoint" in line]
     full, full_out = torchrun("full", 0)  # the reference, meanwhile
     status = killed.wait(timeout=180)
     (tmp_path / "torchrun_out.txt").write_text("".join(out))  # the job's output, kept beside its run directories
@@ -255,7 +257,8 @@ def test_train_py_as_one_process_launches_the_ranks_of_the_layout(tmp_path):
     assert "train_mp: launching 2 ranks on CPU (gloo)" in proc.stdout
     assert "INFO grid: world=2 tp=2 " in proc.stdout, proc.stdout
     scalars = read_scalars(tmp_path)
-    assert [step for step, _ in scalars["comm/tp_bytes"]] == [1, 2, 3] and all(v > 0 for _, v in scalars["comm/tp_bytes"])
+    assert [step for step, _ in scalars["comm/tp_bytes"]] == [1, 2, 3]
+    assert all(v > 0 for _, v in scalars["comm/tp_bytes"])
     # one rank of the tp group read each batch and broadcast it: (x, y) of a per-rank batch
     from utils.cli.config import load_config
     from utils.tasks import build_task

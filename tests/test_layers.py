@@ -14,8 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed.data_parallel import sync_partial_grads
-from distributed.tensor.layers import (ColumnParallelLinear, GroupedQKVParallelLinear, RowParallelLinear,
-                                       SequenceParallelLayerNorm, SequenceShards, shard)
+from distributed.tensor.layers import (
+    ColumnParallelLinear,
+    GroupedQKVParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    SequenceShards,
+    shard,
+)
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.transformer import CausalLMLoss
 from tests.helpers import run_ranks

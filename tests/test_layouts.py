@@ -9,11 +9,10 @@ through torchrun itself; train_mp.py's start of the ranks is tested in tests/tes
 """
 
 import math
+import re
 import shutil
 import subprocess
 import sys
-
-import re
 
 import pytest
 
@@ -32,7 +31,8 @@ LOW_PRECISION_REL = {"bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}  # the matrix's 
 # test_vit_tp2_without_sequence_parallelism)
 COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=5", "parallel.sequence_parallel=true"]
 VIT = ["trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
-GPT = [*TINY_GPT, "data.limit_eval_tokens=4096", "trainer.global_batch_size=8"]  # no greedy decoding at validation but under pp2tp2 (below)
+# no greedy decoding at validation but under pp2tp2 (below)
+GPT = [*TINY_GPT, "data.limit_eval_tokens=4096", "trainer.global_batch_size=8"]
 
 LAYOUTS = {
     "dp2": ["parallel.dp=2"],
@@ -150,7 +150,8 @@ def test_vit_pp2_zbv_dp2_resumes_stage_and_replica_checkpoints(vit_reference, er
     single-process model once, under its global name, written by the stages' ranks; the resumed run
     restores every rank's RNG and follows the uninterrupted curve."""
     reference, tmp = vit_reference
-    args = [f"data.root={era5_root}", "parallel=pp2", "parallel.pp_schedule=zbv", "parallel.dp=2", "trainer.ckpt_every=0"]
+    args = [f"data.root={era5_root}", "parallel=pp2", "parallel.pp_schedule=zbv", "parallel.dp=2",
+            "trainer.ckpt_every=0"]
     run_dir = run_layout(tmp, "pp2_zbv_dp2", VIT, *args, "trainer.stop_at_step=5")
     saved = read_shapes(run_dir / "checkpoints" / "step_0000005")
     assert {k for k in saved if k.startswith("model/")} == {f"model/{k}" for k in serial_shapes(VIT, era5_root)}
@@ -218,8 +219,8 @@ RESUMED_UNDER = {"tp4": ["parallel=tp4"], "single": ["parallel=single"], "pp2": 
 def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_step5, vit_reference, era5_root):
     """Steps 6-10 after resuming the tp2 x dp2 (DDP) checkpoint of step 5 under the same layout (in its own
     run directory, every rank's RNG restored), tp4, one process, pp2, and FSDP2 over dp, dp x tp, dp x cp
-    and dp x pp (blocks sharded, the stages' ends replicated) follow the uninterrupted single-process curve (loss and gradient norm) within 1e-5. The FSDP runs'
-    own final checkpoints hold the single-process shapes."""
+    and dp x pp (blocks sharded, the stages' ends replicated) follow the uninterrupted single-process curve
+    (loss and gradient norm) within 1e-5. The FSDP runs' own final checkpoints hold the single-process shapes."""
     reference, tmp = vit_reference
     if layout == "tp2dp2":
         run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", *TP2DP2)
@@ -300,8 +301,8 @@ def test_gpt_layouts_follow_the_single_process_curve(layout, gpt_reference, corp
 def cp2_step_bytes(workload: list[str], root, layout: list[str]) -> int:
     """What a cp=2 rank sends per step, exactly: the ring's K/V blocks (forward (cp-1) x 2, backward (4cp-2))
     or the all-to-alls of q, k, v and the output there and back ((cp-1)/cp of each), per layer; the gradient
-    all-reduce, the loss mean and the three agreed values (flags, host memory). K/V hold the model's key/value heads (grouped ones travel
-    grouped, not copied per query head)."""
+    all-reduce, the loss mean and the three agreed values (flags, host memory). K/V hold the model's
+    key/value heads (grouped ones travel grouped, not copied per query head)."""
     cfg, _, _ = load_config([*workload, f"data.root={root}", *layout])
     model, cp = cfg.model, 2
     params = sum(p.numel() for p in build_task(cfg).build_model().parameters())

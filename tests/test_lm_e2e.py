@@ -11,9 +11,10 @@ LM = ["model=gpt_tiny", "data=wikitext_sample", "trainer.num_workers=0", "traine
 
 def test_gpt_tiny_beats_unigram(tmp_path, corpus_root):
     run_dir = tmp_path / "lm"
+    # one validation, on 16k tokens: the test of quality, not of the reader
     proc = run_entry("train.py", *LM, f"data.root={corpus_root}", f"run.dir={run_dir}", "trainer.max_steps=120",
-                     "trainer.val_every=0", "trainer.val_at_start=false", "data.limit_eval_tokens=16384", "optim.lr=2e-3",
-                     "data.seq_len=64")  # one validation, on 16k tokens: the test of quality, not of the reader
+                     "trainer.val_every=0", "trainer.val_at_start=false", "data.limit_eval_tokens=16384",
+                     "optim.lr=2e-3", "data.seq_len=64")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "unigram ppl" in proc.stdout
     unigram = float(proc.stdout.split("unigram ppl ")[-1].split(")")[0])

@@ -150,7 +150,8 @@ def _check_autocast_bytes(grid: Grid) -> None:
             y = model(x)
         y.float().square().mean().backward()
         a2 = BATCH * model.num_tokens() * EMBED * 2  # A in bf16
-        want = ((14 * DEPTH + 1) * (t - 1) * a2 + (t - 1) * 2 * a2) // t if sp else 8 * DEPTH * (t - 1) * a2 // t  # gloo
+        want = (((14 * DEPTH + 1) * (t - 1) * a2 + (t - 1) * 2 * a2) // t if sp
+                else 8 * DEPTH * (t - 1) * a2 // t)  # gloo
         assert axis.bytes_moved == want, (sp, axis.bytes_moved, want)
 
 

@@ -39,9 +39,9 @@ def real_step(overrides):
     from pathlib import Path
 
     from utils.bench.train_step import saved_for_backward_bytes
-    from utils.engine.build import build_trainer
-    from utils.comm import Grid
     from utils.cli.config import load_config
+    from utils.comm import Grid
+    from utils.engine.build import build_trainer
     from utils.tasks import build_task
 
     cfg = load_config(overrides)[0]

@@ -40,7 +40,8 @@ def test_every_precision_trains(workload, mode, dtype, workloads, tmp_path):
         small += NARROW
     trainer = make_trainer(tmp_path, f"precision={mode}", *workloads[workload], *small)
     with trainer.autocast():
-        assert trainer.raw_model.blocks[0].mlp.fc1(torch.randn(2, trainer.raw_model.blocks[0].mlp.fc1.in_features)).dtype == dtype
+        fc1 = trainer.raw_model.blocks[0].mlp.fc1
+        assert fc1(torch.randn(2, fc1.in_features)).dtype == dtype
     assert trainer.scaler.is_enabled() == (mode == "fp16")
     assert torch.backends.cuda.matmul.allow_tf32 == (mode != "fp32")
     losses = train_losses(trainer, 6)

@@ -43,8 +43,8 @@ def test_resume_accepts_another_layout():
     """Checkpoints load under any layout (tests/test_layouts.py): the layout, the pipeline schedule and the
     accumulation split of the same global batch do not change what is trained."""
     _, _, yaml = load_config([])
-    _, _, other = load_config(["parallel=pp2", "parallel.tp=2", "parallel.pp_schedule=gpipe", "trainer.grad_accum_steps=2",
-                               "trainer.ckpt_async=true"])
+    _, _, other = load_config(["parallel=pp2", "parallel.tp=2", "parallel.pp_schedule=gpipe",
+                               "trainer.grad_accum_steps=2", "trainer.ckpt_async=true"])
     assert differences(yaml, other) == []
 
 

@@ -320,7 +320,8 @@ def test_a_refused_requeue_is_said_as_it_is(standin):
     assert "job 46 requeued" in bash_with_helper(standin, "requeue_job 2>&1", **job)
     refused = bash_with_helper(standin, "requeue_job 2>&1", STANDIN_NO_REQUEUE="1", **job)
     assert refused == ("ranks stopped with a checkpoint (exit 75): job 46 not requeued (scontrol requeue: "
-                       "Requested operation is presently disabled for job 46): submit the same command again to continue")
+                       "Requested operation is presently disabled for job 46): "
+                       "submit the same command again to continue")
     assert (standin / "requeue").read_text() == "46\n"  # the first, accepted one only
 
 

@@ -33,10 +33,10 @@ def train(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedPr
 
 def single_run_dir(*args: str) -> Path:
     """run.dir of `python train.py ARGS` as a single run (utils.cli.runs naming, its layout on as many ranks)."""
-    from utils.comm import check_grid, layout_name, parse_order
     from utils.cli.config import load_config
     from utils.cli.launch import LaunchEnv, ranks_needed
     from utils.cli.runs import run_dir_for
+    from utils.comm import check_grid, layout_name, parse_order
 
     cfg, choices, config_yaml = load_config(list(args))
     sizes = check_grid(cfg.parallel, LaunchEnv(world_size=ranks_needed(cfg.parallel)))
@@ -141,7 +141,8 @@ def test_submitit_slurm_requeues_a_timed_out_point_unless_told_otherwise():
     """Hydra's plugin defaults hydra.launcher.max_num_timeout to 0 (a point stopped at its time limit is never
     requeued); the sweep gets submitit's own default unless the command line sets it."""
     argv = ["-m", "hydra/launcher=submitit_slurm", "optim.lr=1,2"]
-    assert with_launcher_defaults(argv, argv[1:]) == [*argv, f"hydra.launcher.max_num_timeout={SUBMITIT_MAX_NUM_TIMEOUT}"]
+    assert with_launcher_defaults(argv, argv[1:]) == [
+        *argv, f"hydra.launcher.max_num_timeout={SUBMITIT_MAX_NUM_TIMEOUT}"]
     given = [*argv, "hydra.launcher.max_num_timeout=0"]
     assert with_launcher_defaults(given, given[1:]) == given
     local = ["-m", "hydra/launcher=submitit_local", "optim.lr=1,2"]

@@ -106,7 +106,8 @@ def uninterrupted_losses(tmp_path_factory, era5_root) -> list[float]:
 
 
 @pytest.mark.parametrize("signame,group", [("SIGTERM", False), ("SIGUSR1", True)])
-def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tmp_path, era5_root, uninterrupted_losses):
+def test_stop_signal_checkpoints_and_resume_continues_exactly(signame, group, tmp_path, era5_root,
+                                                              uninterrupted_losses):
     """Slurm's SIGTERM (or SIGUSR1 ahead of the limit, sent to every process: the data worker too):
     finish the step, checkpoint it, exit 75; the same command then continues and reproduces the
     uninterrupted losses bitwise."""

@@ -169,7 +169,9 @@ def test_rotary_scores_depend_only_on_relative_position():
     q, k = torch.randn(8), torch.randn(8)
 
     def score(m, n):
-        rot = lambda x, p: apply_rotary(x.view(1, 1, 1, 8), attn.rotary_cos[p:p + 1], attn.rotary_sin[p:p + 1]).flatten()
+        def rot(x, p):
+            return apply_rotary(x.view(1, 1, 1, 8), attn.rotary_cos[p:p + 1], attn.rotary_sin[p:p + 1]).flatten()
+
         return (rot(q, m) * rot(k, n)).sum()
 
     torch.testing.assert_close(score(3, 1), score(20, 18))

@@ -68,7 +68,8 @@ class ContextParallelAttention(nn.Module):
                  hierarchy: tuple[AxisGroup, AxisGroup] | None = None):
         super().__init__()
         assert variant in VARIANTS, variant
-        assert variant in ("allgather", "alltoall") or dropout == 0, "the ring has no dropout (refused by utils.cli.config)"
+        assert variant in ("allgather", "alltoall") or dropout == 0, (
+            "the ring has no dropout (refused by utils.cli.config)")
         assert (variant == "hierarchical") == (hierarchy is not None), "hierarchical attention needs its two groups"
         self.shards, self.causal, self.variant, self.dropout = shards, causal, variant, dropout
         self.hierarchy = hierarchy  # (all-to-all group, ring across the groups): utils.comm.Grid.cp_hierarchy

@@ -25,8 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed.collectives import own_chunk, split_sizes
-from distributed.mappings import (all_gather_linear, all_gather_region, copy_to_region, gather_from_region, reduce_from_region,
-                                  reduce_scatter_region, scatter_to_region)
+from distributed.mappings import (
+    all_gather_linear,
+    all_gather_region,
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    reduce_scatter_region,
+    scatter_to_region,
+)
 from utils.comm import AxisGroup
 
 
@@ -227,7 +234,8 @@ class GroupedQKVParallelLinear(TensorParallelLayer):
         super().__init__()
         assert axis.size % groups == 0 and q_per_group % (axis.size // groups) == 0
         self.axis, self.in_features, self.out_features = axis, linear.in_features, linear.out_features
-        self.sequence_parallel, self.seq_dim, self.shards, self.keep_gathered = sequence_parallel, seq_dim, shards, keep_gathered
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.shards, self.keep_gathered = shards, keep_gathered
         share = axis.size // groups
         self.q_local = q_per_group // share  # query heads this rank computes
         group, part = divmod(axis.rank, share)
@@ -254,7 +262,8 @@ class GroupedQKVParallelLinear(TensorParallelLayer):
         sizes = self.shards.sizes if self.shards is not None else None
         if self.sequence_parallel and not self.keep_gathered:
             return all_gather_linear(x, weight, bias, self.axis, self.seq_dim, sizes)
-        x = all_gather_region(x, self.axis, self.seq_dim, sizes) if self.sequence_parallel else copy_to_region(x, self.axis)
+        x = (all_gather_region(x, self.axis, self.seq_dim, sizes) if self.sequence_parallel
+             else copy_to_region(x, self.axis))
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:

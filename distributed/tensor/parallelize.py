@@ -38,8 +38,16 @@ import torch
 from torch import nn
 
 from distributed.rng import per_shard
-from distributed.tensor.layers import (ColumnParallelLinear, GatherSequence, GroupedQKVParallelLinear, RowParallelLinear,
-                                       ScatterSequence, SequenceParallelNorm, SequenceShards, TensorParallelLayer)
+from distributed.tensor.layers import (
+    ColumnParallelLinear,
+    GatherSequence,
+    GroupedQKVParallelLinear,
+    RowParallelLinear,
+    ScatterSequence,
+    SequenceParallelNorm,
+    SequenceShards,
+    TensorParallelLayer,
+)
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.blocks import SequenceRegion
 from networks.parallel_plan import ParallelModel, ParallelPlan, Part, check_followed

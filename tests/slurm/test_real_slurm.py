@@ -284,7 +284,8 @@ def test_a_submitit_point_not_requeued_is_a_failed_job(cluster, era5_root, tmp_p
     assert driver.returncode != 0 and "was not requeued (Job not requeued because: timed-out too many times" in out, \
         out[-3000:]
     assert "stop signal received" in (tmp_path / "point" / "train.log").read_text()
-    TIMES["submitit, not requeued"] = f"checkpoint, FAILED 75:0, the sweep fails saying why; {time.monotonic() - t0:.0f} s"
+    TIMES["submitit, not requeued"] = (f"checkpoint, FAILED 75:0, the sweep fails saying why; "
+                                       f"{time.monotonic() - t0:.0f} s")
 
 
 def test_every_strategy_on_two_nodes(cluster, era5_root, tmp_path):

@@ -30,7 +30,6 @@ import torch
 from networks.transformer import GPTConfig, LlamaConfig, padded_vocab_size
 from utils import ConfigError, require
 
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json")
 GPT2_IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older GPT-2 checkpoints
@@ -64,7 +63,8 @@ def weight_files(folder: Path) -> list[Path]:
 
 def unreadable(file: Path, err: Exception) -> ConfigError:
     """The one-line error of a safetensors file that cannot be read (safetensors raises its own error types)."""
-    return ConfigError(f"{file} cannot be read ({' '.join(str(err).split())[:200]})", "DIR", "give an intact model folder")
+    return ConfigError(f"{file} cannot be read ({' '.join(str(err).split())[:200]})", "DIR",
+                       "give an intact model folder")
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -104,7 +104,8 @@ def model_settings(config: dict) -> tuple[str, dict[str, object]]:
     if kind == "llama":
         d, heads = config["hidden_size"], config["num_attention_heads"]
         require(config.get("head_dim", d // heads) == d // heads, f"Llama with head_dim {config.get('head_dim')} "
-                f"!= hidden_size / num_attention_heads = {d // heads}", "DIR", "only head_dim = hidden / heads is supported")
+                f"!= hidden_size / num_attention_heads = {d // heads}", "DIR",
+                "only head_dim = hidden / heads is supported")
         require(not config.get("attention_bias") and not config.get("mlp_bias"), "Llama with biases", "DIR",
                 "only Llama without attention or MLP biases is supported")
         require(config.get("hidden_act", "silu") == "silu", f"Llama with hidden_act {config.get('hidden_act')!r}",
@@ -115,7 +116,8 @@ def model_settings(config: dict) -> tuple[str, dict[str, object]]:
                 "only the default and Llama 3.1 ('llama3') rotary frequencies are supported")
         scaling = {"rope_scaling_factor": 0.0}
         if kind == "llama3":
-            scaling = {"rope_scaling_factor": float(rope["factor"]), "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            scaling = {"rope_scaling_factor": float(rope["factor"]),
+                       "rope_low_freq_factor": float(rope["low_freq_factor"]),
                        "rope_high_freq_factor": float(rope["high_freq_factor"]),
                        "rope_original_positions": int(rope["original_max_position_embeddings"])}
         return "llama", {"embed_dim": d, "depth": config["num_hidden_layers"], "num_heads": heads,
@@ -145,15 +147,16 @@ def differences(model, arch: str, settings: dict[str, object]) -> list[str]:
 GPT2_BLOCK = {"norm1.weight": "ln_1.weight", "norm1.bias": "ln_1.bias", "norm2.weight": "ln_2.weight",
               "norm2.bias": "ln_2.bias", "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
               "attn.proj.weight": "attn.c_proj.weight", "attn.proj.bias": "attn.c_proj.bias",
-              "mlp.fc1.weight": "mlp.c_fc.weight", "mlp.fc1.bias": "mlp.c_fc.bias", "mlp.fc2.weight": "mlp.c_proj.weight",
-              "mlp.fc2.bias": "mlp.c_proj.bias"}
+              "mlp.fc1.weight": "mlp.c_fc.weight", "mlp.fc1.bias": "mlp.c_fc.bias",
+              "mlp.fc2.weight": "mlp.c_proj.weight", "mlp.fc2.bias": "mlp.c_proj.bias"}
 GPT2_TOP = {"tok_embed.weight": "wte.weight", "pos_embed.weight": "wpe.weight", "norm.weight": "ln_f.weight",
             "norm.bias": "ln_f.bias", "lm_head.weight": "lm_head.weight"}
 GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")  # (in, out)
 LLAMA_BLOCK = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
                "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
                "attn.proj.weight": "self_attn.o_proj.weight",
-               "mlp.fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.fc2.weight": "mlp.down_proj.weight"}
+               "mlp.fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+               "mlp.fc2.weight": "mlp.down_proj.weight"}
 LLAMA_TOP = {"tok_embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "lm_head.weight": "lm_head.weight"}
 
@@ -204,7 +207,6 @@ def to_project(arch: str, settings: dict, tensors: dict[str, torch.Tensor]) -> d
     def take(name: str) -> torch.Tensor:
         require(name in src, f"the weights lack {name}", "DIR", "give the complete model folder")
         return src.pop(name).float()
-
     out: dict[str, torch.Tensor] = {}
     heads, groups = settings["num_heads"], _groups(settings["num_heads"], settings.get("num_kv_heads", 0))
     if arch == "gpt":
@@ -212,7 +214,8 @@ def to_project(arch: str, settings: dict, tensors: dict[str, torch.Tensor]) -> d
         for i in range(settings["depth"]):
             h, b = f"h.{i}.", f"blocks.{i}."
             for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-                out[f"{b}{ours}.weight"], out[f"{b}{ours}.bias"] = take(f"{h}{theirs}.weight"), take(f"{h}{theirs}.bias")
+                out[f"{b}{ours}.weight"] = take(f"{h}{theirs}.weight")
+                out[f"{b}{ours}.bias"] = take(f"{h}{theirs}.bias")
             w, bias = take(f"{h}attn.c_attn.weight").t(), take(f"{h}attn.c_attn.bias")
             out[f"{b}attn.qkv.weight"] = fuse_qkv(*w.chunk(3), groups)
             out[f"{b}attn.qkv.bias"] = fuse_qkv(*bias.chunk(3), groups)
@@ -237,8 +240,8 @@ def to_project(arch: str, settings: dict, tensors: dict[str, torch.Tensor]) -> d
         out["lm_head.weight"] = out["tok_embed.weight"]
     else:
         out["lm_head.weight"] = take("lm_head.weight")
-    require(not src, f"the weights hold {len(src)} tensors a {arch} model of config.json has not (e.g. {next(iter(src), '')})",
-            "DIR", "check that config.json's depth and options describe these weights")
+    require(not src, f"the weights hold {len(src)} tensors a {arch} model of config.json has not "
+            f"(e.g. {next(iter(src), '')})", "DIR", "check that config.json's depth and options describe these weights")
     assert heads % groups == 0
     return out
 
@@ -250,7 +253,8 @@ def pad_vocab(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tens
     padded = torch.cat([embed, embed.new_zeros(rows - len(embed), embed.shape[1])])
     out["tok_embed.weight"] = padded
     head = state["lm_head.weight"]
-    out["lm_head.weight"] = padded if head is embed else torch.cat([head, head.new_zeros(rows - len(head), head.shape[1])])
+    out["lm_head.weight"] = (padded if head is embed
+                             else torch.cat([head, head.new_zeros(rows - len(head), head.shape[1])]))
     return out
 
 
@@ -322,7 +326,8 @@ def hf_config(model, vocab_size: int, eos_id: int | None = None) -> dict:
             "export a Llama with rotary positions, RMSNorm, SwiGLU and no biases")
     rope = None if not model.rope_scaling_factor else {
         "rope_type": "llama3", "factor": model.rope_scaling_factor, "low_freq_factor": model.rope_low_freq_factor,
-        "high_freq_factor": model.rope_high_freq_factor, "original_max_position_embeddings": model.rope_original_positions}
+        "high_freq_factor": model.rope_high_freq_factor,
+        "original_max_position_embeddings": model.rope_original_positions}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
             "hidden_size": model.embed_dim, "intermediate_size": model.hidden, "num_hidden_layers": model.depth,
             "num_attention_heads": model.num_heads, "num_key_value_heads": model.kv_heads,
@@ -351,7 +356,8 @@ def hf_tensors(model, key: str, tensor: torch.Tensor, vocab_size: int) -> dict[s
         parts = (t,)
     if model.arch == "gpt":
         names = tuple(n if n == "lm_head.weight" else f"transformer.{n}" for n in names)
-    return {n: (p.t() if is_conv1d(model.arch, n) else p).contiguous().clone() for n, p in zip(names, parts, strict=True)}
+    return {n: (p.t() if is_conv1d(model.arch, n) else p).contiguous().clone()
+            for n, p in zip(names, parts, strict=True)}
 
 
 def from_project(model, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:

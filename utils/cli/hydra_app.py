@@ -159,9 +159,9 @@ def task(job_cfg) -> int:
 
     from hydra.core.hydra_config import HydraConfig
 
-    from utils.comm import destroy_grid
     from utils.cli.config import typed_config
     from utils.cli.local_launch import run
+    from utils.comm import destroy_grid
 
     hydra_cfg = HydraConfig.get()
     argv, failure = list(hydra_cfg.overrides.task), None

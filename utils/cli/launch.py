@@ -32,7 +32,8 @@ class LaunchEnv:
 def launch_env(environ=os.environ) -> LaunchEnv:
     """Read torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm (SLURM_PROCID/NTASKS/LOCALID) variables."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return LaunchEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)), "torchrun")
+        return LaunchEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)),
+                         "torchrun")
     if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             require(var in environ, f"{var} is not set under Slurm", var,

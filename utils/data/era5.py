@@ -48,7 +48,8 @@ class ERA5Config:
         require(len(self.channels) > 0, "no channels", "data.channels", "list the file channels")
         for name in ("limit_nsamples", "limit_nsamples_val"):
             value = getattr(self, name)
-            require(value is None or value > 0, f"{name} must be positive", f"data.{name}", "set null or a positive count")
+            require(value is None or value > 0, f"{name} must be positive", f"data.{name}",
+                    "set null or a positive count")
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,14 @@ from torch.utils.data import Dataset
 from utils import ConfigError, require
 from utils.data.cache import cache_folders, cached
 from utils.data.corpus import ensure_sample_corpus
-from utils.data.tokenizers import (AnyTokenizer, BPETokenizer, PretrainedTokenizer, WordTokenizer, encode_lines,
-                                   pretrained_file)
+from utils.data.tokenizers import (
+    AnyTokenizer,
+    BPETokenizer,
+    PretrainedTokenizer,
+    WordTokenizer,
+    encode_lines,
+    pretrained_file,
+)
 
 SPLITS = ("train", "valid", "test")
 HF_SPLITS = {"train": "train", "valid": "validation", "test": "test"}

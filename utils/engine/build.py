@@ -200,7 +200,8 @@ def init_weights_from(trainer: Trainer, folder: Path) -> None:
         held = {k: s for k, s in read_shapes(folder).items() if k.startswith("model/")}
         wrong = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
         require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
-                f"e.g. {wrong[0] if wrong else ''})", "trainer.init_from", "give a checkpoint of a run of the same model")
+                f"e.g. {wrong[0] if wrong else ''})", "trainer.init_from",
+                "give a checkpoint of a run of the same model")
         load_state(view.tensors, folder, trainer.grid.world)
     trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
 

@@ -97,8 +97,8 @@ class Progress:
 # user lands on comm/ and data/ with train/ and val/ collapsed. Each tag on the left is also written under
 # the name on the right, so the groups that open are Loss and Throughput.
 FIRST_SCREEN = {"train/loss": "Loss/train", "val/loss": "Loss/val",
-                "perf/samples_per_sec": "Throughput/samples_per_sec", "perf/tokens_per_sec": "Throughput/tokens_per_sec",
-                "perf/mfu": "Throughput/mfu"}
+                "perf/samples_per_sec": "Throughput/samples_per_sec",
+                "perf/tokens_per_sec": "Throughput/tokens_per_sec", "perf/mfu": "Throughput/mfu"}
 
 # The Custom Scalars tab: train and validation loss on one chart, and the throughput.
 CUSTOM_SCALARS = {"Overview": {"loss (train and val)": ["Multiline", [r"^train/loss$", r"^val/loss$"]],

@@ -29,7 +29,8 @@ class OptimConfig:
     fused: bool = True  # fused Adam kernels (CPU and GPU; skips a non-finite step on the device), else foreach
 
     def __post_init__(self):
-        require(self.name in OPTIMIZERS, f"unknown optimizer '{self.name}'", "optim.name", f"choose one of {OPTIMIZERS}")
+        require(self.name in OPTIMIZERS, f"unknown optimizer '{self.name}'", "optim.name",
+                f"choose one of {OPTIMIZERS}")
         require(self.schedule in SCHEDULES, f"unknown schedule '{self.schedule}'", "optim.schedule",
                 f"choose one of {SCHEDULES}")
         require(self.lr > 0, f"lr must be positive, got {self.lr}", "optim.lr", "set a positive learning rate")
@@ -41,8 +42,9 @@ class OptimConfig:
 
 def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
     """Adam/AdamW over `params`: fused kernels (one per dtype and device; on the CPU too, faster
-    than foreach there: docs/measurements.md), or foreach with optim.fused=false. Fused Adam also takes the trainer's non-finite
-    verdict on the device (`Trainer.step_optimizer`), so a step never waits to decide whether to update."""
+    than foreach there: docs/measurements.md), or foreach with optim.fused=false. Fused Adam also takes the
+    trainer's non-finite verdict on the device (`Trainer.step_optimizer`), so a step never waits to decide
+    whether to update."""
     cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
     kernel = {"fused": True} if cfg.fused else {"foreach": True}
     return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **kernel)

@@ -33,7 +33,8 @@ def autocast_dtype(mode: str) -> torch.dtype | None:
 
 def precision_notice(mode: str, device: torch.device) -> str | None:
     """One line when `mode` is slow or has no effect on `device` (None when it is fine): fp16 on CPU has no
-    fast kernels (a step many times slower than fp32's: docs/measurements.md), bf16 on a GPU without bf16 support is emulated, tf32 on CPU is plain fp32."""
+    fast kernels (a step many times slower than fp32's: docs/measurements.md), bf16 on a GPU without bf16
+    support is emulated, tf32 on CPU is plain fp32."""
     if device.type == "cpu" and mode == "fp16":
         return ("precision=fp16 is very slow on CPU (no fp16 matrix kernels; steps can take 10x longer): "
                 "use precision=bf16 or precision=fp32")

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     args = dict(a.split("=", 1) for a in (argv if argv is not None else sys.argv[1:]))
     text = ("order", "pp_schedule", "cp_attention")
     try:
-        cfg = ParallelConfig(**{k: (v if k in text else int(v)) for k, v in args.items() if k not in ("world", "depth")})
+        cfg = ParallelConfig(**{k: (v if k in text else int(v)) for k, v in args.items()
+                                if k not in ("world", "depth")})
         world = int(args.get("world", 0)) or ranks_needed(cfg)
         grid = Grid(resolve_sizes(cfg, world), parse_order(cfg.order))
         plan = resolve_plan(cfg.pp_schedule, cfg.pp, cfg.pp_stages_per_rank, cfg.pp_microbatches,

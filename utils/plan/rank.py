@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(figures))
     else:
         print(f"{figures['layout']} rank {figures['rank']} of {figures['world']}: {figures['held']}; built in "
-              f"{figures['build_s']} s (peak host memory {figures['build_host_peak_gib']} GiB), {figures['steps']} step(s) "
-              f"{figures['steps_s']} s later (peak {figures['steps_host_peak_gib']} GiB)")
+              f"{figures['build_s']} s (peak host memory {figures['build_host_peak_gib']} GiB), "
+              f"{figures['steps']} step(s) {figures['steps_s']} s later (peak {figures['steps_host_peak_gib']} GiB)")
     return 0
 
 

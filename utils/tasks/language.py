@@ -89,7 +89,8 @@ class LanguageTask:
         return criterion(model(x), y)
 
     def summary(self, metrics: dict[str, float]) -> str:
-        return f"val/loss={metrics['val/loss']:.4g} val/ppl={metrics['val/ppl']:.4g} (unigram ppl {self.unigram_ppl:.4g})"
+        return (f"val/loss={metrics['val/loss']:.4g} val/ppl={metrics['val/ppl']:.4g} "
+                f"(unigram ppl {self.unigram_ppl:.4g})")
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
