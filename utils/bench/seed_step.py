@@ -78,8 +78,7 @@ def main(seed_dir: str, spec: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = spec["precision"] == "tf32"
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     gen = torch.Generator().manual_seed(1)
-    shape = (spec["batch"], spec["in_channels"], *spec["img_size"])
-    x = torch.randn(shape, generator=gen).to(device)
+    x = torch.randn((spec["batch"], spec["in_channels"], *spec["img_size"]), generator=gen).to(device)
     y = torch.randn((spec["batch"], spec["out_channels"], *spec["img_size"]), generator=gen).to(device)
 
     def step() -> None:
