@@ -138,3 +138,33 @@ def test_a_run_from_the_folder_exports_in_shards_that_transformers_loads(folder,
     whole = hf.from_project(cfg.model, state, config["vocab_size"])
     streamed = hf.read_weights(tmp_path / "out")
     assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)
+
+
+def test_the_writer_holds_one_group_at_a_time(tmp_path):
+    """write_weights spools each group's bytes as it is produced: when a group is produced, no tensor of an
+    earlier one is alive; the files (one shard of 40 bytes at most each, and the index) read back exactly, every
+    dtype included."""
+    import weakref
+
+    from safetensors.torch import load_file
+
+    from utils.checkpoints.hf_stream import WeightStream, write_weights
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).bfloat16(), "c": torch.arange(6).view(2, 3),
+               "d": torch.tensor(True), "e": torch.randn(2, 2).half()}
+    alive = []
+
+    def produce(key: str) -> dict[str, torch.Tensor]:
+        assert all(ref() is None for ref in alive), "a tensor of an earlier group is still held"
+        tensor = tensors[key].clone()
+        alive.append(weakref.ref(tensor))
+        return {f"w.{key}": tensor}
+
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    files = write_weights(tmp_path, WeightStream(sizes, produce), shard_bytes=40)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert files == len(set(index.values())) > 1 and not list(tmp_path.glob("*.data"))
+    read = {k: v for name in set(index.values()) for k, v in load_file(tmp_path / name).items()}
+    assert read.keys() == {f"w.{k}" for k in tensors}
+    for key, tensor in tensors.items():
+        assert read[f"w.{key}"].dtype == tensor.dtype and torch.equal(read[f"w.{key}"], tensor), key

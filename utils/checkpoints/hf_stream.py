@@ -183,11 +183,43 @@ def shard_keys(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
     return shards
 
 
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, keys: list[str], produce: Callable[[str], dict[str, torch.Tensor]],
+                      metadata: dict[str, str]) -> list[str]:
+    """One safetensors file of the tensors `produce(key)` gives for each key, written as they come: their bytes
+    go to a spool file beside `path` while the header is gathered, then the header and the spooled bytes
+    (copied in blocks) make the file. Peak memory: one key's tensors. Returns the tensor names."""
+    header, offset = {}, 0
+    spool = path.with_name(path.name + ".data")
+    with open(spool, "wb") as data:
+        for key in keys:
+            for name, tensor in produce(key).items():
+                tensor = tensor.detach().contiguous().cpu()
+                raw = tensor.reshape(-1).view(torch.uint8).numpy()  # little-endian bytes, row-major
+                data.write(memoryview(raw))
+                header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                                "data_offsets": [offset, offset + raw.nbytes]}
+                offset += raw.nbytes
+                del tensor, raw
+    text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    try:
+        with open(path, "wb") as out, open(spool, "rb") as data:
+            out.write(len(text).to_bytes(8, "little") + text)
+            shutil.copyfileobj(data, out, 16 * 2**20)
+    finally:
+        spool.unlink(missing_ok=True)
+    return list(header)
+
+
 def write_weights(folder: Path, weights: WeightStream, shard_bytes: int = SHARD_BYTES) -> int:
     """Write the weights as model.safetensors or, past `shard_bytes`, as shards listed by
-    model.safetensors.index.json; returns the number of files. Peak memory: one shard's tensors."""
-    from safetensors.torch import save_file
-
+    model.safetensors.index.json; returns the number of files. Peak memory: one group's tensors (a group is
+    produced, written and freed before the next: `write_safetensors`)."""
     shards = shard_keys(weights.sizes, shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -195,9 +227,8 @@ def write_weights(folder: Path, weights: WeightStream, shard_bytes: int = SHARD_
         stale.unlink(missing_ok=True)  # an earlier export's files would be read beside these
     weight_map = {}
     for name, keys in zip(names, shards, strict=True):
-        tensors = {n: t for key in keys for n, t in weights.produce(key).items()}
-        save_file(tensors, folder / name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
+        written = write_safetensors(folder / name, keys, weights.produce, {"format": "pt"})
+        weight_map.update(dict.fromkeys(written, name))
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(weights.sizes.values())}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
