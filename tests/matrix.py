@@ -10,8 +10,9 @@ typed config's validation (`Config.__post_init__`, via `dataclasses.replace` on 
 per model), the grid check against the world size, and the batch check (`build_run` makes the same three
 before any work). A refused case carries that one-line error.
 
-`covering_set()` (cached in tests/data/matrix_cases.json, recomputed when the code or configs change): every pair of (factor, value) settings that occurs together in some accepted case
-occurs in at least one accepted case of the set (greedy all-pairs: each pick covers the most pairs still
+`covering_set()` (cached in tests/data/matrix_cases.json, recomputed when the code or configs change): every
+pair of (factor, value) settings that occurs together in some accepted case occurs in at least one accepted
+case of the set (greedy all-pairs: each pick covers the most pairs still
 uncovered, the cheaper case first among equals), and every pair that occurs only in refused cases gets
 one refused case, whose refusal the matrix then checks, unless every case holding it holds a more general
 such pair (`_causes`: hierarchical with pp=2 is refused because hierarchical at cp=2 is).
@@ -173,9 +174,9 @@ def _base_configs():
 def refusal(case: Case) -> str | None:
     """The one-line error the trainer refuses the case with before any work, or None if it accepts it."""
     from distributed.pipeline.stage_plan import resolve_plan
+    from utils.cli.launch import LaunchEnv
     from utils.comm import check_grid
     from utils.data.batching import check_batch
-    from utils.cli.launch import LaunchEnv
 
     base = _base_configs()[case.model]
     tp, cp, pp, dp = case.sizes

@@ -141,7 +141,8 @@ PLANTS = {
         lambda c: c.tp > 1),
     "pipeline_loss_unscaled": Plant(
         "loss scaler", "the last stage's backward runs on the unscaled loss while the scaler unscales the gradients",
-        (("distributed/pipeline/schedule.py", "        return self.scale(loss)\n", "        return _plant_hit(loss)\n"),),
+        (("distributed/pipeline/schedule.py", "        return self.scale(loss)\n",
+          "        return _plant_hit(loss)\n"),),
         lambda c: c.precision == "fp16" and c.pp > 1),
     "fsdp_master_weights_in_bf16": Plant(
         "master weight precision (bf16 only)", "under FSDP with bf16, the norms' weights and biases are stored in "

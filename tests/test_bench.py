@@ -57,6 +57,7 @@ def seed_dir(tmp_path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_the_tutorial_vit_is_timed_at_the_same_shape(seed_dir):
     proc = bench(*TINY, "--seed-dir", str(seed_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -22,6 +22,7 @@ a collective again would fail.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -33,6 +34,8 @@ from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from tests.helpers import run_ranks
 from utils.comm import Grid, ParallelConfig, init_grid
+
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
 BATCH, SEQ, EMBED, VOCAB = 2, 7, 32, 50
 

@@ -50,6 +50,7 @@ def table_rows(text: str) -> list[dict[str, str]]:
     return [dict(zip(headers, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
 
 
+@pytest.mark.slow
 def test_table_values_are_those_of_the_events(runs, capsys):
     assert main([str(runs["single"]), str(runs["dp2"]), str(runs["tp2"])]) == 0
     rows = {row["run"]: row for row in table_rows(capsys.readouterr().out)}
@@ -74,6 +75,7 @@ def test_table_values_are_those_of_the_events(runs, capsys):
     assert rows["dp2"]["tp bytes/step"] == ""
 
 
+@pytest.mark.slow
 def test_out_writes_the_table_csv_and_figures(runs, tmp_path, capsys):
     out = tmp_path / "out"
     assert main([str(runs["single"]), str(runs["dp2"]), str(runs["tp2"]), "--out", str(out)]) == 0
@@ -101,11 +103,13 @@ def test_out_writes_the_table_csv_and_figures(runs, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "one").glob("*.png")) == sorted(FIGURES)  # one rank count
 
 
+@pytest.mark.slow
 def test_a_glob_expands_sorted(runs, capsys):
     assert main([str(runs["single"].parent / "*")]) == 0
     assert [row["run"] for row in table_rows(capsys.readouterr().out)] == ["dp2", "single", "tp2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["nothing-*", "missing_dir", "not_a_run", "a_file"])
 def test_a_bad_argument_is_one_line_and_status_2_before_any_work(bad, runs, tmp_path, capsys):
     (tmp_path / "not_a_run").mkdir()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,6 +41,8 @@ from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
 from tests.helpers import run_ranks
 from utils.comm import AxisGroup, ParallelConfig, init_grid
+
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
 BATCH, SEQ, EMBED, HEADS = 2, 7, 32, 4
 

@@ -29,6 +29,7 @@ TINY = ["model.depth=1", "model.embed_dim=32", "model.num_heads=4", "trainer.glo
         "--steps", "2", "--timed-steps", "1", "--iters", "1", "--sizes-mib", "0.0625"]
 
 
+@pytest.mark.slow
 def test_a_healthy_layout_passes_with_a_report_and_a_bandwidth_file(tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, "-m", "utils.doctor", "parallel=tp2", *TINY, "--out", str(out)], cwd=ROOT,
@@ -106,6 +107,7 @@ def _doctor_rank(rank: int, world: int, argv: list[str], fault: str) -> int:
     ("mapping", "parallel.tp=2", 2, "mappings", "all_gather_region on tp (2 ranks)"),
     ("layer", "parallel.tp=4", 4, "layers", "RowParallelLinear (SP off) on tp (4 ranks)"),
     ("ddp_sums", "parallel.dp=2", 2, "layout", "dp2 vs single device")])
+@pytest.mark.slow
 def test_a_planted_fault_fails_the_doctor(fault, layout, world, kind, failing, tmp_path):
     others = ",".join(k for k in ("mappings", "layers", "layout") if k != kind)  # one class per case: cheaper
     argv = [layout, *TINY, "--skip", f"bandwidth,{others}", "--out", str(tmp_path)]

@@ -27,7 +27,7 @@ TINY = ["model.depth=2", "model.embed_dim=32", "trainer.global_batch_size=4", "d
 MARKER = "DLSCALE_TEST_JOB"
 # Beside a 4-rank matrix case on 2 cores a job's data workers start in a minute, not seconds (the figures:
 # docs/measurements.md): waits are bounded, not tight.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # launches and kills processes
 
 
 def job_processes(marker: str) -> list[int]:

@@ -87,6 +87,7 @@ def single(era5_root, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_a_rollout_logs_model_and_baselines_per_channel_and_lead(single):
     scalars = _rollout_scalars(single)
     for lead in ("6h", "12h", "18h"):
@@ -104,6 +105,7 @@ def test_a_rollout_logs_model_and_baselines_per_channel_and_lead(single):
     ["parallel.tp=2"], ["parallel.cp=2"], ["parallel.pp=2"], ["parallel.dp=2", "parallel.dp_mode=fsdp"],
     ["parallel.tp=2", "parallel.cp=2"], ["parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp"],
 ], ids=lambda layout: "-".join(s.split(".")[1] for s in layout))
+@pytest.mark.slow
 def test_a_rollout_under_any_layout_equals_one_process(layout, single, era5_root, tmp_path):
     """fp32, one training step then a 3-step rollout from 4 initial times: the same numbers (1e-5)."""
     run_dir = tmp_path / "run"
@@ -149,6 +151,7 @@ def test_rollouts_feed_predictions_back_in_float32():
     assert kept[0].dtype == torch.float32 and torch.isfinite(skill_of["model"]["rmse"]).all()
 
 
+@pytest.mark.slow
 def test_bf16_rollouts_follow_the_fp32_rollout(single, era5_root, tmp_path):
     """Through the entry point: a bf16 run's rollout RMSE within bf16's 8 roundoffs of the fp32 run's."""
     run_dir = tmp_path / "bf16"
@@ -181,6 +184,7 @@ def test_bad_rollout_settings_are_one_line_and_exit_2(args, line, era5_root, cor
     assert code == 2 and err.strip().splitlines() == [line]
 
 
+@pytest.mark.slow
 def test_without_time_means_acc_is_left_out_with_a_notice(era5_root, tmp_path):
     """A data folder without stats/time_means.npy: RMSE and bias are still reported, ACC and the climatology
     baseline are not, and the run's data line says so."""
@@ -200,6 +204,7 @@ def test_without_time_means_acc_is_left_out_with_a_notice(era5_root, tmp_path):
         (run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_the_forecast_command_reads_a_checkpoint_of_another_layout(era5_root, tmp_path):
     """A tp2 run's checkpoint, forecast in one process: the HDF5 file reads back with the stated shapes, the
     tables and figures are written, and its skill is the rollout the run logged (same weights, same inits)."""
@@ -233,6 +238,7 @@ def test_the_forecast_command_reads_a_checkpoint_of_another_layout(era5_root, tm
         assert f["init"][:].tolist() == [[0, 0], [0, 5]] and f["forecast"].shape[:2] == (2, 3)
 
 
+@pytest.mark.slow
 def test_the_forecast_command_refuses_bad_input_with_one_line(era5_root, corpus_root, tmp_path, capsys):
     from utils.forecast.report import main
 
@@ -277,6 +283,7 @@ def rollout_single(era5_root, tmp_path_factory):
 @pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.tp=2"], ["parallel.cp=2"],
                                     ["parallel.dp=2", "parallel.dp_mode=fsdp"]],
                          ids=lambda layout: "-".join(s.split(".")[1] for s in layout))
+@pytest.mark.slow
 def test_rollout_training_follows_the_single_process_curve(layout, rollout_single, era5_root, tmp_path):
     """Backpropagation through K predicted steps, K raised by the curriculum at step 2: every layout's losses
     and validation are the single process's (fp32, 1e-4), and K > 1 changes the loss (it is not one-step)."""
@@ -288,6 +295,7 @@ def test_rollout_training_follows_the_single_process_curve(layout, rollout_singl
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_rollout_training_resumes_mid_curriculum_exactly(rollout_single, era5_root, tmp_path):
     run_dir = tmp_path / "resumed"
     argv = [*ROLLOUT_TRAINING, f"data.root={era5_root}", f"run.dir={run_dir}"]
@@ -296,6 +304,7 @@ def test_rollout_training_resumes_mid_curriculum_exactly(rollout_single, era5_ro
     assert _losses(run_dir) == _losses(rollout_single)  # bitwise: the same layout, K a function of the step
 
 
+@pytest.mark.slow
 def test_rollout_training_changes_the_loss_from_k_2_on(rollout_single, era5_root, tmp_path):
     """The curriculum's first steps (K = 1) are one-step training on the same samples; from step 3 (K = 2)
     the loss is the rollout's, so it differs from a run with the horizon read but K held at 1."""
@@ -306,6 +315,7 @@ def test_rollout_training_changes_the_loss_from_k_2_on(rollout_single, era5_root
     assert one_step[:2] == rolled[:2] and one_step[2] != pytest.approx(rolled[2], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_fine_tuning_starts_from_a_checkpoint_of_another_layout(single, era5_root, tmp_path):
     """trainer.init_from: the single-process run's weights under tp2 in a new run, at step 0 with a fresh
     optimizer and schedule: its validation before the first step is the source run's validation at the
@@ -321,6 +331,7 @@ def test_fine_tuning_starts_from_a_checkpoint_of_another_layout(single, era5_roo
     assert "model weights from" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_fine_tuning_from_another_model_or_no_checkpoint_is_one_line(single, era5_root, tmp_path, capsys):
     code, _, err = run_main("train.py", f"data.root={era5_root}", f"run.dir={tmp_path / 'a'}",
                             f"trainer.init_from={tmp_path / 'none'}")

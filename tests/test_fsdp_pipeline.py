@@ -25,6 +25,8 @@ from networks.vit import ViT, ViTConfig
 from tests.helpers import QUIET, read_scalars, run_entry, run_ranks
 from utils.comm import ParallelConfig, init_grid
 
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
+
 STEPS = 8
 COMMON = [*QUIET, "model.depth=2", f"trainer.max_steps={STEPS}", "trainer.global_batch_size=4", "precision=bf16",
           "optim.lr=2e-3", "trainer.log_every=4", "data.limit_nsamples_val=8"]

@@ -138,6 +138,7 @@ def single(pretrained, corpus_root, tmp_path_factory):
     return args, curve(run([*args, f"trainer.init_from={pretrained}"], tmp_path_factory.mktemp("single")))
 
 
+@pytest.mark.slow
 def test_import_finetune_tp2pp2_export_loads_in_transformers(pretrained, single, tmp_path):
     """import-hf's step folder under tp2 x pp2 follows the one-process run from the folder itself; its final
     checkpoint exported loads in transformers with our one-process logits, tokenizer files beside it."""
@@ -164,6 +165,7 @@ def test_import_finetune_tp2pp2_export_loads_in_transformers(pretrained, single,
 
 @pytest.mark.parametrize("layout", [["parallel=pp2", "parallel.tp=2"], ["parallel=cp2"],
                                     ["parallel.dp=2", "parallel.dp_mode=fsdp"]], ids=["tp2pp2", "cp2", "fsdp_dp2"])
+@pytest.mark.slow
 def test_a_pretrained_model_trains_under_every_layout(pretrained, single, tmp_path, layout):
     """From the folder itself (each rank cuts its tp shard, its stages, its FSDP shard) under tp2 x pp2, cp2 and
     FSDP; the test above starts tp2 x pp2 from import-hf's checkpoint instead."""
@@ -202,6 +204,7 @@ def test_bad_folders_are_refused_with_one_line(tmp_path):
         assert not (tmp_path / f"run_{name}" / "checkpoints").exists()  # refused before writing anything
 
 
+@pytest.mark.slow
 def test_init_from_a_folder_of_another_model_is_refused_before_work(pretrained, corpus_root, tmp_path):
     args = llama_args(pretrained, corpus_root)
     code, _, err = run_main("train.py", *args, "model.embed_dim=128", f"trainer.init_from={pretrained}",

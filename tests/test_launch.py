@@ -8,11 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import ROOT, run_entry
 from utils.cli.launch import free_port
 from utils.cli.local_launch import supervise
+
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
 
 def test_train_mp_rejects_a_grid_that_does_not_fit():

@@ -25,6 +25,8 @@ from utils.cli.config import load_config
 from utils.plan.cost_model import GPUS, plan_layout
 from utils.tasks import build_task
 
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
+
 STEPS = 10
 LOW_PRECISION_REL = {"bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}  # the matrix's bound (tests/test_matrix.py TOLERANCE)
 # one validation, at the end; sequence parallelism on under tp (the GPU default; the CPU default, off, is

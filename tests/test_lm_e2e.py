@@ -6,6 +6,8 @@ import pytest
 
 from tests.helpers import read_scalars, read_tags, run_entry, run_main
 
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
+
 LM = ["model=gpt_tiny", "data=wikitext_sample", "trainer.num_workers=0", "trainer.log_every=20"]
 
 

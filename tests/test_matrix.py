@@ -163,11 +163,13 @@ def check_case(case: Case, tmp_path: Path, request, references) -> None:
             raise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ACCEPTED, ids=[c.name for c in ACCEPTED])
 def test_accepted_combination_follows_the_single_process_run(case, tmp_path, request, references):
     check_case(case, tmp_path, request, references)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,why", REFUSED, ids=[c.name for c, _ in REFUSED])
 def test_refused_combination_exits_2_with_one_line(case, why, tmp_path, request):
     results, run_dir = run_case(tmp_path, case.name, case.model, _roots(request)[case.model], case.overrides(),

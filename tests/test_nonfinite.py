@@ -44,6 +44,7 @@ def _one_rank_nan(rank: int, world_size: int, run_dir: str, era5_root: str, poli
     assert not trainer.skipped and not all(torch.equal(a, p) for a, p in zip(before, trainer.raw_model.parameters()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_a_nan_on_one_rank_is_handled_alike_on_every_rank(policy, tmp_path, era5_root):
     run_ranks(_one_rank_nan, 2, tmp_path, str(tmp_path / "run"), str(era5_root), policy, timeout_s=120)

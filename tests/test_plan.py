@@ -178,6 +178,7 @@ def test_probed_meta_plan_equals_the_full_initialised_one():
     assert_fast_equals_full(["model=gpt_tiny", "data=wikitext_sample", "parallel=tp2"], 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,world", VIT_FAST_VS_FULL)
 def test_probed_meta_plan_equals_the_full_initialised_one_vit(overrides, world):
     assert_fast_equals_full(overrides, world)

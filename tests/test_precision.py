@@ -83,6 +83,7 @@ def test_fp16_inf_verdict_agrees_across_ranks(tmp_path):
     run_ranks(_scaler_rank, 2, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", ["vit", "gpt"])
 def test_compiled_training_follows_eager(workload, workloads, tmp_path):
     """precision.compile=true (each block compiled, inductor on CPU) trains like eager."""

@@ -12,6 +12,7 @@ from utils import ConfigError
 from utils.cli.config import load_config
 
 
+@pytest.mark.slow
 def test_profile_of_steps_2_to_3(tmp_path, era5_root):
     run_dir = tmp_path / "run"
     trainer = make_trainer(run_dir, f"data.root={era5_root}", "trainer.global_batch_size=8", "trainer.max_steps=4",

@@ -31,6 +31,8 @@ import pytest
 from tests.helpers import ROOT
 from utils.cli.runs import read_layout
 
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
+
 SUBMIT = ROOT / "submit"
 TINY = ["trainer.max_steps=2", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
         "trainer.global_batch_size=8", "data.limit_nsamples_val=8"]

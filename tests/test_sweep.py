@@ -18,6 +18,8 @@ from tests.helpers import ROOT, read_scalars
 from utils.cli.hydra_app import SUBMITIT_MAX_NUM_TIMEOUT, is_hydra_command, with_launcher_defaults, with_sweep_subdir
 from utils.cli.runs import read_layout
 
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
+
 TINY = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
         "trainer.global_batch_size=4", "model.depth=1", "data.limit_nsamples_val=8"]
 

@@ -16,6 +16,8 @@ from tests.test_precision import make_trainer
 from utils.engine.logger import FIRST_SCREEN
 from utils.tasks.figures import field_panels
 
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
+
 STEPS = 4
 SHORT = [f"trainer.max_steps={STEPS}", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.global_batch_size=8"]
 

@@ -4,6 +4,8 @@ import pytest
 
 from tests.helpers import read_scalars, read_tags, run_entry
 
+pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
+
 # One data worker, forked (the fastest start; the default forkserver start costs seconds per launch and
 # is exercised where it matters: the job-wide SIGUSR1 below and tests/test_launch.py).
 TINY = ["trainer.log_every=10", "trainer.num_workers=1", "trainer.worker_start=fork", "trainer.global_batch_size=8",

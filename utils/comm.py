@@ -39,7 +39,7 @@ class Axis(str, enum.Enum):
 
 
 AXES = tuple(Axis)
-CP_VARIANTS = ("ring", "allgather", "alltoall", "hierarchical")  # parallel.cp_attention (distributed/context/attention.py)
+CP_VARIANTS = ("ring", "allgather", "alltoall", "hierarchical")  # parallel.cp_attention: distributed/context/
 # The grid's concepts by the axes they span; Grid.batch, .replicas, .same_batch and .metrics state the rules.
 BATCH_AXES, REPLICA_AXES, SAME_BATCH_AXES = (Axis.DP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP)
 METRIC_AXES = BATCH_AXES + (Axis.PP,)
@@ -57,11 +57,11 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel degree: consecutive blocks on pp ranks
     dp: int = 0  # data-parallel degree; 0 = derive from the world size
     order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
-    sequence_parallel: bool | None = None  # Megatron sequence parallelism under tp; None: on with GPUs, off on CPU/gloo
-    sp_keep_gathered: bool = False  # SP: column-parallel layers save the gathered input (t x memory, 1 all-gather less)
+    sequence_parallel: bool | None = None  # Megatron sequence parallelism under tp; None: on with GPUs, off on CPU
+    sp_keep_gathered: bool = False  # SP: column-parallel layers keep the gathered input (t x memory, 1 gather less)
     cp_attention: str = "ring"  # ring | allgather | alltoall | hierarchical: how attention reaches other cp ranks' K/V
-    cp_a2a: int = 2  # hierarchical: cp ranks per all-to-all group (the nearest ranks of the cp axis); a ring joins the groups
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
+    cp_a2a: int = 2  # hierarchical: cp ranks per all-to-all group (nearest ranks of the cp axis), joined by a ring
+    pp_schedule: str = "1f1b"  # gpipe|1f1b|interleaved_1f1b|looped_bfs|interleaved_zero_bubble|zbv|dualpipev
     pp_microbatches: int = 0  # microbatches per pipeline step (per grad_accum step); 0 = one per stage
     pp_stages_per_rank: int = 0  # stages per pp rank: 1 for gpipe/1f1b, 2 for zbv/dualpipev; 0 = that (2 for loops)
     dp_mode: str = "ddp"  # ddp (full replicas) | fsdp (FSDP2: weights, gradients, Adam state sharded over dp x cp)
@@ -73,22 +73,22 @@ class ParallelConfig:
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value}",
                     f"parallel.{name}", f"set parallel.{name}=1 or more")
-        require(self.dp >= 0, f"dp must be >= 0, got {self.dp}", "parallel.dp", "use 0 to derive dp from the world size")
+        require(self.dp >= 0, f"dp must be >= 0, got {self.dp}", "parallel.dp", "use 0: dp from the world size")
         parse_order(self.order)
         require(self.cp_attention in CP_VARIANTS, f"unknown cp_attention {self.cp_attention!r}",
                 "parallel.cp_attention", "choose " + ", ".join(CP_VARIANTS))
         groups_fit = 1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0
-        require(self.cp_attention != "hierarchical" or self.cp == 1 or groups_fit, "parallel.cp_attention=hierarchical "
-                f"needs groups of parallel.cp_a2a={self.cp_a2a} ranks that divide parallel.cp={self.cp} into two or more", "parallel.cp_a2a",
+        require(self.cp_attention != "hierarchical" or self.cp == 1 or groups_fit, "parallel.cp_attention=hierarchical"
+                f" needs groups of parallel.cp_a2a={self.cp_a2a} ranks dividing parallel.cp={self.cp} into two or more",
+                "parallel.cp_a2a",
                 "set parallel.cp_a2a to a divisor of parallel.cp between 2 and cp/2 (e.g. the GPUs of a node)")
         require(self.pp_schedule in SCHEDULES, f"unknown pipeline schedule {self.pp_schedule!r}",
                 "parallel.pp_schedule", "choose one of " + ", ".join(SCHEDULES))
         for name in ("pp_microbatches", "pp_stages_per_rank"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}", f"parallel.{name}",
                     "set 0 (the default) or a positive integer")
-        require(self.dp_mode in ("ddp", "fsdp"), f"unknown dp_mode {self.dp_mode!r}", "parallel.dp_mode",
-                "choose ddp or fsdp")
-        require(self.init_timeout_s > 0, "timeout must be positive", "parallel.init_timeout_s", "set a number of seconds")
+        require(self.dp_mode in ("ddp", "fsdp"), f"unknown {self.dp_mode!r}", "parallel.dp_mode", "choose ddp or fsdp")
+        require(self.init_timeout_s > 0, "timeout must be positive", "parallel.init_timeout_s", "set seconds")
 
 
 def parse_order(order: str) -> tuple[Axis, ...]:
@@ -110,7 +110,7 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> dict[Axis, int]:
     fits = dp >= 1 and dp * model_parallel == world_size
     require(fits, f"world size {world_size} does not fit tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp}"
             + (f" x dp={cfg.dp}" if cfg.dp else ""), "parallel",
-            f"launch a multiple of {model_parallel} ranks" + (f" ({dp * model_parallel if cfg.dp else ''})" if cfg.dp else "")
+            f"launch a multiple of {model_parallel} ranks" + (f" ({dp * model_parallel})" if cfg.dp else "")
             + " or change the parallel sizes")
     return {Axis.TP: cfg.tp, Axis.CP: cfg.cp, Axis.DP: dp, Axis.PP: cfg.pp}
 
@@ -174,7 +174,7 @@ class Grid:
         self._axes: dict[str, AxisGroup] = {}
         self.frozen = False  # set by init_grid once the groups exist: no group is created later
         self._pipeline_ends: AxisGroup | None = None  # set by init_grid when pp > 2
-        self.cp_hierarchy: tuple[AxisGroup, AxisGroup] | None = None  # (all-to-all group, ring): cp_attention=hierarchical
+        self.cp_hierarchy: tuple[AxisGroup, AxisGroup] | None = None  # (all-to-all group, ring) of hierarchical cp
 
     @classmethod
     def serial(cls, device: torch.device | None = None) -> Grid:

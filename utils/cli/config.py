@@ -63,7 +63,8 @@ class TrainerConfig:
     preempt_deadline_s: float = 120.0  # after SIGTERM/SIGUSR1: seconds to finish the step and checkpoint
     nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm ends the run, or skips the update
     max_skipped_steps: int = 10  # with nonfinite=skip: stop after this many consecutive skipped steps
-    device: str = "auto"  # auto: a GPU per local rank (refused with fewer GPUs than ranks) or the CPU without GPUs | cpu
+    # auto: a GPU per local rank (refused with fewer GPUs than ranks), or the CPU without GPUs | cpu
+    device: str = "auto"
     hang_timeout_s: float = 1800.0  # a rank with no progress this long dumps its stacks and exits; 0 = off
     ckpt_async: bool = False  # write checkpoints from a background thread (one in flight) while training goes on
     profile: bool = False  # torch.profiler trace and top-operator table of profile_steps (utils/engine/profiling.py)
@@ -148,9 +149,9 @@ class Config:
                 "multiple of parallel.tp")
         split = {"alltoall": cp, "hierarchical": self.parallel.cp_a2a}.get(self.parallel.cp_attention, 1)
         require(cp == 1 or model.num_heads % (tp * split) == 0,
-                f"parallel.cp_attention={self.parallel.cp_attention} splits each tp rank's {model.num_heads // tp} heads "
-                f"over {split} ranks", "parallel.cp_attention", f"use a model.num_heads that is a multiple of "
-                f"{tp * split}, or parallel.cp_attention=ring or allgather")
+                f"parallel.cp_attention={self.parallel.cp_attention} splits each tp rank's "
+                f"{model.num_heads // tp} heads over {split} ranks", "parallel.cp_attention",
+                f"use a model.num_heads that is a multiple of {tp * split}, or parallel.cp_attention=ring or allgather")
 
 
     def check_pipeline(self) -> None:
