@@ -244,7 +244,8 @@ class Verdict:
 
     def line(self) -> str:
         p = PLANTS[self.name]
-        where = {"killed": f"by {self.case}", "survived": f"{self.cases_run} of {self.targeted} cases passed",
+        where = {"killed": f"by {self.case}: {self.why}",
+                 "survived": f"{self.cases_run} of {self.targeted} cases passed",
                  "broken": f"{self.case}: {self.why}",
                  "baseline": f"{self.case} fails unplanted too: {self.why}"}[self.status]
         return f"{self.name} ({p.mechanism}): {self.status.upper()} {where} [{self.seconds:.0f} s]"
