@@ -246,6 +246,7 @@ def _rank0_disk_full(rank: int, world_size: int, tmp_path) -> None:
     assert [p.name for p in ck.complete_steps()] == ["step_0000001"]
 
 
+@pytest.mark.slow  # over 10 s: the fast tier's 3 minutes
 def test_rank0_failing_to_write_stops_every_rank(tmp_path):
     """A disk-full rank 0 raises on every rank (the others are told, not left in a barrier)."""
     from tests.helpers import run_ranks

@@ -40,6 +40,7 @@ def test_short_limits_samples():
     assert patch4.model.patch_size == 4 and patch4.model.embed_dim == 1536
 
 
+@pytest.mark.slow  # over 10 s: the fast tier's 3 minutes
 def test_every_preset_composes():
     """Every preset composes with the defaults, or with the data and heads its rules between groups need."""
     needs = {"model=gpt_tiny": ["data=wikitext_sample"], "model=gpt_small": ["data=wikitext_sample"],

@@ -170,6 +170,7 @@ def config_keys() -> set[str]:
     return keys
 
 
+@pytest.mark.slow  # over 10 s: the fast tier's 3 minutes
 def test_every_command_is_run_or_listed(capsys):
     """Each command of the docs has a way to be run or a reason in NOT_RUN; the config commands compose and
     validate, the tools answer --help after the command's own arguments. Prints the counts."""
