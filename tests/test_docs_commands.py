@@ -48,6 +48,8 @@ DRY = ("python -m utils.comm ", "python -m utils.plan parallel=", "python train.
 NOT_RUN = {
     "pip install": "installs packages (.ci/run installs the project from scratch)",
     "python -m pytest": "the test suite itself, of which this test is part",
+    "python -m tests.planted_bugs": "the plant tier, which CI runs after the suite (.ci/run); "
+                                    "tests/test_planted_bugs.py checks that every plant fits the code",
     "sbatch": "needs Slurm; tests/test_submit.py runs every script through a stand-in srun",
     "salloc": "needs Slurm",
     "export ": "sets a variable of the shell",
