@@ -248,8 +248,11 @@ def covering_set() -> tuple[tuple[Case, ...], tuple[tuple[Case, str], ...]]:
     data = {"fingerprint": current, "accepted": [dataclasses.asdict(c) for c in accepted],
             "refused": [(dataclasses.asdict(c), why) for c, why in refused]}
     partial = CACHE.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(data, indent=0) + "\n")
-    partial.replace(CACHE)  # atomic: pytest workers may write it at once
+    try:
+        partial.write_text(json.dumps(data, indent=0) + "\n")
+        partial.replace(CACHE)  # atomic: pytest workers may write it at once
+    except OSError:  # a read-only checkout: the set is computed, the next collection computes it again
+        partial.unlink(missing_ok=True)
     return accepted, refused
 
 
