@@ -232,7 +232,8 @@ def test_rng_state_round_trip():
 
 
 def _rank0_disk_full(rank: int, world_size: int, tmp_path) -> None:
-    from utils.comm import ParallelConfig, init_grid
+    from utils.comm import init_grid
+    from utils.schema import ParallelConfig
 
     grid = init_grid(ParallelConfig(dp=world_size))
     ck = Checkpointer(tmp_path, grid.world)

@@ -95,7 +95,8 @@ def test_a_truncated_checkpoint_is_moved_aside_and_never_pruned(tmp_path):
 def _one_rank_cannot_read(rank: int, world_size: int, tmp_path: str) -> None:
     """Rank 0 hits an I/O error reading the newest checkpoint's state; rank 1 reads it fine."""
     from utils.checkpoints.checkpointer import Checkpointer, resume_state
-    from utils.comm import ParallelConfig, init_grid
+    from utils.comm import init_grid
+    from utils.schema import ParallelConfig
 
     grid = init_grid(ParallelConfig(dp=world_size))
     ck = Checkpointer(Path(tmp_path) / f"run{world_size}", grid.world, keep=3)

@@ -33,7 +33,8 @@ from distributed.counting import count_compiled
 from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from tests.helpers import run_ranks
-from utils.comm import Grid, ParallelConfig, init_grid
+from utils.comm import Grid, init_grid
+from utils.schema import ParallelConfig
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 

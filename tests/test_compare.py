@@ -136,7 +136,8 @@ def test_layout_from_layout_json_or_from_an_old_runs_config(tmp_path):
     """layout.json (the last launch's resolved layout) gives the layout, a derived dp included; a run directory
     from before layout.json: config.yaml's explicit sizes in grid order, a derived dp as one rank."""
     from utils.cli.runs import write_layout
-    from utils.comm import Grid, ParallelConfig, parse_order, resolve_sizes
+    from utils.comm import Grid, parse_order, resolve_sizes
+    from utils.schema import ParallelConfig
 
     parallel = {"tp": 2, "cp": 1, "pp": 1, "dp": 2, "order": "tp-cp-dp-pp"}
     assert layout_of(tmp_path, parallel) == ("tp2 x dp2", 4)

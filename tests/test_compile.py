@@ -40,7 +40,8 @@ from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
 from tests.helpers import run_ranks
-from utils.comm import AxisGroup, ParallelConfig, init_grid
+from utils.comm import AxisGroup, init_grid
+from utils.schema import ParallelConfig
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 

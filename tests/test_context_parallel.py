@@ -20,7 +20,8 @@ from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
 from tests.helpers import run_ranks
 from tests.test_parallelize import _compare_grads
-from utils.comm import ParallelConfig, init_grid
+from utils.comm import init_grid
+from utils.schema import ParallelConfig
 from utils.tasks.generate import greedy_decode
 
 BATCH, EMBED, DEPTH = 2, 32, 2

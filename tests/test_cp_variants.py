@@ -83,7 +83,8 @@ def _check_autocast(axis: AxisGroup, variant: str, n: int, causal: bool, hierarc
 
 
 def _all_variants(rank: int, world: int) -> None:
-    from utils.comm import ParallelConfig, init_grid
+    from utils.comm import init_grid
+    from utils.schema import ParallelConfig
 
     grid = init_grid(ParallelConfig(cp=world, cp_attention="hierarchical" if world == 4 else "ring", cp_a2a=2))
     axis = grid.axis("cp")

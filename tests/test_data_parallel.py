@@ -19,7 +19,8 @@ from distributed.tensor.layers import SequenceParallelLayerNorm, TensorParallelL
 from distributed.tensor.parallelize import parallelize
 from tests.helpers import run_ranks
 from tests.test_parallelize import CHANNELS, IMG, build_vit
-from utils.comm import Grid, ParallelConfig, init_grid
+from utils.comm import Grid, init_grid
+from utils.schema import ParallelConfig
 
 GLOBAL_BATCH = 4
 

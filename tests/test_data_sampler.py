@@ -3,8 +3,8 @@
 import pytest
 
 from utils import ConfigError
-from utils.cli.config import TrainerConfig
 from utils.data.batching import GlobalBatchSampler, check_batch, contiguous_part
+from utils.schema import TrainerConfig
 
 
 def take(sampler, n):

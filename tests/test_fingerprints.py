@@ -109,7 +109,7 @@ def test_missing_fingerprints_are_refused_with_one_line(tmp_path, capsys):
 
 
 def test_fingerprint_steps_must_not_be_negative():
-    from utils.cli.config import TrainerConfig
+    from utils.schema import TrainerConfig
 
     with pytest.raises(ConfigError, match="trainer.fingerprint_steps"):
         TrainerConfig(fingerprint_steps=-1)

@@ -129,7 +129,8 @@ class _Rollouts:
 def test_rollouts_feed_predictions_back_in_float32():
     """Under bf16 autocast the model's output is bf16; each later step's input must be that output cast back to
     float32 (rounded to bf16 once per step, not carried in bf16), and the forecast kept is float32."""
-    from utils.comm import ParallelConfig, init_grid
+    from utils.comm import init_grid
+    from utils.schema import ParallelConfig
     from utils.tasks.forecast import rollout_skill
 
     conv = torch.nn.Conv2d(3, 3, 1)

@@ -23,7 +23,8 @@ from distributed.pipeline.stage_plan import resolve_plan
 from distributed.pipeline.stages import StageModule, cut_for_rank
 from networks.vit import ViT, ViTConfig
 from tests.helpers import QUIET, read_scalars, run_entry, run_ranks
-from utils.comm import ParallelConfig, init_grid
+from utils.comm import init_grid
+from utils.schema import ParallelConfig
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from tests.helpers import run_ranks
 from utils import ConfigError
-from utils.comm import AXES, Axis, Grid, ParallelConfig, batch_parts, init_grid, parse_order, rank_layout, resolve_sizes
+from utils.comm import AXES, Axis, Grid, batch_parts, init_grid, parse_order, rank_layout, resolve_sizes
+from utils.schema import ParallelConfig
 
 
 def _layout(world: int, order: str, **sizes) -> dict[Axis, list[list[int]]]:

@@ -25,7 +25,8 @@ from distributed.tensor.layers import (
 from distributed.tensor.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from networks.transformer import CausalLMLoss
 from tests.helpers import run_ranks
-from utils.comm import Grid, ParallelConfig, init_grid
+from utils.comm import Grid, init_grid
+from utils.schema import ParallelConfig
 
 B, N, D_IN, D_OUT, VOCAB, VALID = 2, 7, 6, 10, 18, 13
 close = torch.testing.assert_close

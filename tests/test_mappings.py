@@ -15,7 +15,8 @@ import torch.distributed as dist
 from distributed import mappings as M
 from distributed.collectives import REDUCE_SCATTER_VIA, reduce_scatter_via, ring_bytes
 from tests.helpers import run_ranks
-from utils.comm import AxisGroup, ParallelConfig, init_grid
+from utils.comm import AxisGroup, init_grid
+from utils.schema import ParallelConfig
 
 SHAPE = (3, 0, 5)  # dim 1 (the length under test) is filled in per case
 DIM = 1

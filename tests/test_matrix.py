@@ -188,8 +188,8 @@ def test_the_factors_hold_every_value_the_config_accepts():
     model families (the registry's, less the tests' toy family: tests/test_toy_family.py)."""
     from distributed.pipeline.stage_plan import SCHEDULES
     from tests.matrix import FACTORS
-    from utils.comm import CP_VARIANTS
-    from utils.engine.precision import MODES
+    from utils.schema import CP_VARIANTS
+    from utils.schema import PRECISION_MODES as MODES
     from utils.tasks.registry import MODELS
 
     assert set(FACTORS["schedule"]) == set(SCHEDULES)

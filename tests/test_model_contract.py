@@ -32,7 +32,8 @@ from networks.vit import ViT, ViTConfig
 from tests.helpers import run_ranks
 from tests.test_parallelize import _compare_grads
 from utils import ConfigError
-from utils.comm import ParallelConfig, init_grid
+from utils.comm import init_grid
+from utils.schema import ParallelConfig
 
 EMBED, DEPTH = 32, 2
 

@@ -36,7 +36,8 @@ from networks.vit import ViT, ViTConfig
 from tests.helpers import run_ranks
 from utils import ConfigError
 from utils.cli.config import load_config
-from utils.comm import Grid, ParallelConfig, init_grid
+from utils.comm import Grid, init_grid
+from utils.schema import ParallelConfig
 
 BATCH, IMG, CHANNELS, DEPTH, EMBED = 2, (16, 32), 3, 2, 32
 

@@ -23,7 +23,8 @@ from networks.vit import ViT, ViTConfig
 from tests.helpers import run_ranks
 from utils import ConfigError
 from utils.cli.config import load_config
-from utils.comm import Axis, ParallelConfig, init_grid
+from utils.comm import Axis, init_grid
+from utils.schema import ParallelConfig
 
 EMBED, BATCH, SEQ, VOCAB, MICRO, DEPTH = 32, 8, 16, 50, 8, 8
 

@@ -9,9 +9,10 @@ import torch
 
 from tests.helpers import NARROW, run_ranks
 from utils.cli.config import load_config
-from utils.comm import ParallelConfig, init_grid
+from utils.comm import init_grid
 from utils.engine.build import build_run
 from utils.engine.precision import GridGradScaler
+from utils.schema import ParallelConfig
 
 
 def make_trainer(run_dir, *overrides):

@@ -1,6 +1,6 @@
 """The parallel grid: axis sizes and order -> process groups, passed explicitly to everything else.
 
-`ParallelConfig` is the schema of the `parallel` config group. `rank_layout` is the pure math (which
+`ParallelConfig` (utils/schema.py) is the schema of the `parallel` config group. `rank_layout` is the pure math (which
 global ranks form each group of each axis), `Grid` is the object the rest of the code receives, and
 `init_grid` initializes torch.distributed from the launch environment (torchrun, Slurm, or one bare
 process) and builds the groups on a torch DeviceMesh. A size-1 axis has no process group and every
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distributed.pipeline.stage_plan import SCHEDULES
 from distributed.timeouts import set_group_timeouts
 from utils import ConfigError, require
 from utils.cli.launch import LaunchEnv, launch_env, pick_device
+from utils.schema import AXIS_NAMES, ParallelConfig, order_names
 
 
 class Axis(str, enum.Enum):
@@ -39,7 +39,7 @@ class Axis(str, enum.Enum):
 
 
 AXES = tuple(Axis)
-CP_VARIANTS = ("ring", "allgather", "alltoall", "hierarchical")  # parallel.cp_attention: distributed/context/
+assert tuple(a.value for a in AXES) == AXIS_NAMES  # the schema names the same axes in the same order
 # The grid's concepts by the axes they span; Grid.batch, .replicas, .same_batch and .metrics state the rules.
 BATCH_AXES, REPLICA_AXES, SAME_BATCH_AXES = (Axis.DP,), (Axis.DP, Axis.CP), (Axis.TP, Axis.CP)
 METRIC_AXES = BATCH_AXES + (Axis.PP,)
@@ -48,59 +48,9 @@ GROUPS_BUILT_AT_START = ((Axis.TP,), (Axis.CP,), BATCH_AXES, (Axis.PP,), REPLICA
                          AXES)
 
 
-@dataclass
-class ParallelConfig:
-    """Schema of `parallel=`: the grid of ranks. dp = world / (tp*cp*pp) unless set."""
-
-    tp: int = 1  # tensor-parallel degree: attention heads and MLP hidden split over tp ranks
-    cp: int = 1  # context-parallel degree: the sequence (patches/tokens) split over cp ranks
-    pp: int = 1  # pipeline-parallel degree: consecutive blocks on pp ranks
-    dp: int = 0  # data-parallel degree; 0 = derive from the world size
-    order: str = "tp-cp-dp-pp"  # axes from nearest ranks to farthest (leftmost share a node)
-    sequence_parallel: bool | None = None  # Megatron sequence parallelism under tp; None: on with GPUs, off on CPU
-    sp_keep_gathered: bool = False  # SP: column-parallel layers keep the gathered input (t x memory, 1 gather less)
-    cp_attention: str = "ring"  # ring | allgather | alltoall | hierarchical: how attention reaches other cp ranks' K/V
-    cp_a2a: int = 2  # hierarchical: cp ranks per all-to-all group (nearest ranks of the cp axis), joined by a ring
-    pp_schedule: str = "1f1b"  # gpipe|1f1b|interleaved_1f1b|looped_bfs|interleaved_zero_bubble|zbv|dualpipev
-    pp_microbatches: int = 0  # microbatches per pipeline step (per grad_accum step); 0 = one per stage
-    pp_stages_per_rank: int = 0  # stages per pp rank: 1 for gpipe/1f1b, 2 for zbv/dualpipev; 0 = that (2 for loops)
-    dp_mode: str = "ddp"  # ddp (full replicas) | fsdp (FSDP2: weights, gradients, Adam state sharded over dp x cp)
-    fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (ZeRO-3), else keep (ZeRO-2)
-    init_timeout_s: int = 600  # timeout of collectives: a missing rank fails the job, never hangs
-
-    def __post_init__(self):
-        for name in ("tp", "cp", "pp"):
-            value = getattr(self, name)
-            require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value}",
-                    f"parallel.{name}", f"set parallel.{name}=1 or more")
-        require(self.dp >= 0, f"dp must be >= 0, got {self.dp}", "parallel.dp", "use 0: dp from the world size")
-        parse_order(self.order)
-        require(self.cp_attention in CP_VARIANTS, f"unknown cp_attention {self.cp_attention!r}",
-                "parallel.cp_attention", "choose " + ", ".join(CP_VARIANTS))
-        groups_fit = 1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0
-        require(self.cp_attention != "hierarchical" or self.cp == 1 or groups_fit, "parallel.cp_attention=hierarchical"
-                f" needs groups of parallel.cp_a2a={self.cp_a2a} ranks dividing parallel.cp={self.cp} into two or more",
-                "parallel.cp_a2a",
-                "set parallel.cp_a2a to a divisor of parallel.cp between 2 and cp/2 (e.g. the GPUs of a node)")
-        require(self.pp_schedule in SCHEDULES, f"unknown pipeline schedule {self.pp_schedule!r}",
-                "parallel.pp_schedule", "choose one of " + ", ".join(SCHEDULES))
-        for name in ("pp_microbatches", "pp_stages_per_rank"):
-            require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}", f"parallel.{name}",
-                    "set 0 (the default) or a positive integer")
-        require(self.dp_mode in ("ddp", "fsdp"), f"unknown {self.dp_mode!r}", "parallel.dp_mode", "choose ddp or fsdp")
-        require(self.init_timeout_s > 0, "timeout must be positive", "parallel.init_timeout_s", "set seconds")
-
-
 def parse_order(order: str) -> tuple[Axis, ...]:
-    """'tp-cp-dp-pp' -> axes nearest first; missing axes are appended in default order."""
-    names = [n for n in order.split("-") if n]
-    valid = [a.value for a in AXES]
-    for n in names:
-        require(n in valid, f"unknown axis '{n}' in order '{order}'", "parallel.order",
-                f"use a '-'-separated permutation of {'-'.join(valid)}")
-    require(len(set(names)) == len(names), f"axis repeated in order '{order}'", "parallel.order",
-            "name each axis at most once")
-    return tuple(Axis(n) for n in names) + tuple(a for a in AXES if a.value not in names)
+    """'tp-cp-dp-pp' -> axes nearest first; missing axes are appended in default order (`order_names`)."""
+    return tuple(Axis(n) for n in order_names(order))
 
 
 def resolve_sizes(cfg: ParallelConfig, world_size: int) -> dict[Axis, int]:

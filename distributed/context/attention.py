@@ -41,7 +41,8 @@ from torch import nn
 from distributed.context.layout import ContextShards
 from distributed.context.ring import ring_attention
 from distributed.mappings import all_gather_region, heads_to_sequence, sequence_to_heads
-from utils.comm import CP_VARIANTS, AxisGroup
+from utils.comm import AxisGroup
+from utils.schema import CP_VARIANTS
 
 VARIANTS = CP_VARIANTS
 
@@ -69,7 +70,7 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         assert variant in VARIANTS, variant
         assert variant in ("allgather", "alltoall") or dropout == 0, (
-            "the ring has no dropout (refused by utils.cli.config)")
+            "the ring has no dropout (refused by utils.schema.Config)")
         assert (variant == "hierarchical") == (hierarchy is not None), "hierarchical attention needs its two groups"
         self.shards, self.causal, self.variant, self.dropout = shards, causal, variant, dropout
         self.hierarchy = hierarchy  # (all-to-all group, ring across the groups): utils.comm.Grid.cp_hierarchy

@@ -79,7 +79,7 @@ def parallelize(model: ParallelModel, *, grid: Grid, sequence_parallel: bool, ke
     """Shard `model` over grid's tp axis in place and return it (unchanged at tp == 1). `keep_gathered`:
     column-parallel layers under sequence parallelism save their gathered input, not their shard.
 
-    tp must divide every attention layer's head count (a user setting checked by utils.cli.config.Config).
+    tp must divide every attention layer's head count (a user setting checked by utils.schema.Config).
     """
     axis = grid.axis(Axis.TP)
     if axis.size == 1:

@@ -38,8 +38,9 @@ from distributed.device import synchronize
 from utils import ConfigError, exit_bad_input, require
 from utils.cli.launch import die_with_parent, free_port, launch_env, rank_env
 from utils.cli.local_launch import supervise
-from utils.comm import CP_VARIANTS, Axis, ParallelConfig, destroy_grid, init_grid
+from utils.comm import Axis, destroy_grid, init_grid
 from utils.engine.flops import device_name
+from utils.schema import CP_VARIANTS, ParallelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SEED_IMAGE = (360, 720)  # the seed's ERA5 crop (config/data/era5.yaml)

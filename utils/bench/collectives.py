@@ -23,8 +23,9 @@ from distributed.collectives import all_gather, all_reduce, barrier, own_chunk, 
 from distributed.device import synchronize
 from utils import ConfigError, exit_bad_input, require
 from utils.cli.launch import launch_env
-from utils.comm import ParallelConfig, destroy_grid, init_grid
+from utils.comm import destroy_grid, init_grid
 from utils.engine.flops import device_name
+from utils.schema import ParallelConfig
 
 
 def parse(argv: list[str]) -> tuple[tuple[int, ...], int]:

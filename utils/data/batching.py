@@ -34,8 +34,6 @@ from utils import require
 from utils.comm import AxisGroup
 from utils.engine.preemption import ignore_stop_signals, stop_signals_blocked
 
-WORKER_STARTS = ("forkserver", "spawn", "fork")  # multiprocessing start methods for data workers
-
 
 class GlobalBatchSampler(Sampler[list[int]]):
     """Index lists of this dp rank's part of each global batch, from `start_step` on, without end."""

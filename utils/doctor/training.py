@@ -25,10 +25,11 @@ import torch
 
 from distributed.device import free_memory
 from utils.bench.train_step import time_steps
-from utils.comm import Grid, ParallelConfig
+from utils.comm import Grid
 from utils.doctor.report import Check
 from utils.engine.build import build_trainer
 from utils.engine.memory import peak_memory_gib
+from utils.schema import ParallelConfig
 from utils.tasks import build_task
 
 TOLERANCE = {"fp32": 1e-4, "bf16": 8 * 2.0**-8, "tf32": 8 * 2.0**-11, "fp16": 8 * 2.0**-11}

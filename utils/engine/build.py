@@ -32,7 +32,6 @@ from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
 from utils.checkpoints.hf_stream import read_pieces
 from utils.checkpoints.sharded_state import checkpoint_view, load_state, read_shapes
-from utils.cli.config import Config
 from utils.cli.launch import restart_warning
 from utils.cli.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for, write_layout, write_task
 from utils.comm import Axis, Grid, background_group, batch_parts, check_grid, init_grid, layout_name, parse_order
@@ -45,6 +44,7 @@ from utils.engine.optim import build_optimizer, build_scheduler
 from utils.engine.precision import autocast, configure_matmul, grad_scaler, precision_notice
 from utils.engine.preemption import StopRequest
 from utils.engine.trainer import Trainer
+from utils.schema import Config
 from utils.tasks import build_task
 
 

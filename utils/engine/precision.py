@@ -1,29 +1,13 @@
-"""Numerical precision: the `precision=` schema, autocast contexts, TF32 switches and the grad scaler."""
+"""Numerical precision (`precision=`, utils/schema.py `PrecisionConfig`): autocast, TF32 switches, grad scaler."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 
 from distributed.collectives import all_reduce_
-from utils import require
 from utils.comm import AxisGroup
-
-MODES = ("fp32", "tf32", "bf16", "fp16")
-
-
-@dataclass
-class PrecisionConfig:
-    """Schema of `precision=`: compute precision of the train step."""
-
-    mode: str = "fp32"  # fp32 | tf32 (fp32 storage, TF32 matmuls on GPU) | bf16 | fp16 (autocast)
-    compile: bool = False  # compile each transformer block with torch.compile
-
-    def __post_init__(self):
-        require(self.mode in MODES, f"unknown precision mode '{self.mode}'", "precision.mode",
-                f"choose one of {', '.join(MODES)}")
 
 
 def autocast_dtype(mode: str) -> torch.dtype | None:

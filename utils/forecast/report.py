@@ -47,8 +47,8 @@ def forecast(args) -> dict:
 
     from utils.checkpoints.checkpointer import Checkpointer
     from utils.checkpoints.sharded_state import read_full
-    from utils.cli.config import TrainerConfig
     from utils.comm import Grid
+    from utils.schema import TrainerConfig
     from utils.tasks.forecast import Rollouts, rollout_skill
 
     times = None if "," not in args.init and args.init.strip().isdigit() else args.init.split(",")

@@ -7,7 +7,8 @@ import sys
 from distributed.pipeline.stage_plan import resolve_plan
 from utils import ConfigError
 from utils.cli.launch import ranks_needed
-from utils.comm import Grid, ParallelConfig, parse_order, resolve_sizes
+from utils.comm import Grid, parse_order, resolve_sizes
+from utils.schema import ParallelConfig
 
 
 def main(argv: list[str] | None = None) -> int:
