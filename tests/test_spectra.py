@@ -16,7 +16,7 @@ from utils.tasks.spectra import (
     blurring,
     circumference,
     lead_spectra,
-    top_wavenumbers,
+    resolved_top,
     zonal_energy_spectrum,
 )
 
@@ -81,9 +81,27 @@ def test_band_mean_takes_the_mid_latitude_rows():
     assert band_mean(spectra, LAT, band=(70.0, 80.0)).tolist() == [55 / 6] * 4  # no row there: all rows
 
 
-def test_top_wavenumbers_are_the_highest_quarter():
-    assert top_wavenumbers(33) == slice(25, 33)  # W = 64: k = 1..32, the top 8
-    assert top_wavenumbers(3) == slice(2, 3)  # at least one
+def test_the_blurring_wavenumbers_are_the_highest_quarter_the_truth_resolves():
+    full = torch.ones(2, 33)  # W = 64: energy at every k = 0..32
+    assert resolved_top(full).nonzero()[:, 1].tolist() == [*range(25, 33)] * 2
+    banded = torch.cat([torch.full((6,), 1e6), torch.full((27,), 1e-9)])  # k <= 5 and float32 roundoff beyond
+    assert resolved_top(banded).nonzero().flatten().tolist() == [5]
+    assert resolved_top(banded, top=0.6).nonzero().flatten().tolist() == [3, 4, 5]
+    assert not resolved_top(torch.tensor([5.0, 0.0, 0.0])).any()  # a zonally uniform truth: nothing to compare
+    assert blurring(torch.ones(3), torch.tensor([5.0, 0.0, 0.0])).isnan()
+
+
+def test_a_band_limited_truth_is_compared_where_it_has_energy():
+    """The synthetic data's truths are waves of k <= 5: a forecast equal to them plus small-scale noise is not
+    sharper than the truth by the noise over roundoff, and half the amplitude at k = 5 gives a quarter."""
+    lon = np.arange(64) * 2 * np.pi / 64
+    truth = sum(np.cos(k * lon + k) for k in range(1, 6)) + 250.0  # float32 roundoff of 250 beyond k = 5
+    truth = torch.from_numpy(_rows(truth)).float().view(1, 1, 1, len(LAT), 64)
+    noisy = truth + 1e-3 * torch.randn(truth.shape, generator=torch.Generator().manual_seed(0))
+    damped = truth - 0.5 * torch.from_numpy(_rows(np.cos(5 * lon + 5))).float()
+    want = lead_spectra(truth, LAT)
+    assert blurring(lead_spectra(noisy, LAT), want).item() == pytest.approx(1.0, abs=1e-3)
+    assert blurring(lead_spectra(damped, LAT), want).item() == pytest.approx(0.25, rel=1e-3)
 
 
 def test_a_smoothed_forecast_is_blurred_and_the_truth_is_not():

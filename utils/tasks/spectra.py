@@ -17,8 +17,11 @@ latitude. Here a spectrum is averaged over the initial times of a lead, then ove
 is a similar length on every row: this project's choice, WB2 leaves the latitude dimension to the user).
 
 Blurring: a forecast that smooths keeps a low RMSE but loses energy at small scales. `blurring` is the ratio
-forecast / truth of the band-mean spectra, averaged over the highest quarter of the wavenumbers k >= 1: 1 for a
-forecast as sharp as the truth, below 1 for a blurred one.
+forecast / truth of the band-mean spectra, averaged over the highest quarter of the wavenumbers k >= 1 that the
+truth resolves: 1 for a forecast as sharp as the truth, below 1 for a blurred one. A wavenumber is resolved when
+the truth's energy there is above float32 roundoff (100 eps^2 of the total, eps = 2^-24): all of them on ERA5, the
+waves' k <= 5 on the synthetic data, whose truth has no energy beyond them (a ratio there would divide the
+model's small-scale noise by roundoff).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 EARTH_RADIUS_M = 6.371e6  # WeatherBench 2's schema.EARTH_RADIUS_M
 BAND = (30.0, 60.0)  # |latitude| range (degrees) of the band mean
 TOP = 0.25  # the fraction of the wavenumbers (the highest) the blurring figure averages over
+ROUNDOFF = 100 * 2.0 ** -48  # energy below 100 float32 roundoffs squared of the whole field's is no signal
 
 
 def circumference(latitudes) -> torch.Tensor:
@@ -66,13 +70,19 @@ def lead_spectra(fields: torch.Tensor, latitudes, band: tuple[float, float] = BA
     return band_mean(zonal_energy_spectrum(fields, latitudes).mean(dim=0), latitudes, band)
 
 
-def top_wavenumbers(num_wavenumbers: int, top: float = TOP) -> slice:
-    """The highest `top` fraction (at least one) of the wavenumbers 1 .. num_wavenumbers - 1 of a spectrum."""
-    count = max(1, round((num_wavenumbers - 1) * top))
-    return slice(num_wavenumbers - count, num_wavenumbers)
+def resolved_top(truth_spectra: torch.Tensor, top: float = TOP) -> torch.Tensor:
+    """Boolean (..., K): the highest `top` fraction of the wavenumbers 1 .. k_max, k_max the highest wavenumber
+    where the truth's energy stands above float32 roundoff (S[k] > ROUNDOFF x sum_k S[k]); all of 1 .. K - 1
+    for a truth with energy everywhere, as the atmosphere's."""
+    k = torch.arange(truth_spectra.shape[-1], device=truth_spectra.device)
+    above = (truth_spectra > ROUNDOFF * truth_spectra.sum(dim=-1, keepdim=True)) & (k >= 1)
+    k_max = torch.where(above, k, 0).amax(dim=-1, keepdim=True)  # (..., 1)
+    return (k >= 1) & (k <= k_max) & (k > k_max - torch.clamp(torch.round(k_max * top), min=1))
 
 
 def blurring(forecast_spectra: torch.Tensor, truth_spectra: torch.Tensor, top: float = TOP) -> torch.Tensor:
-    """Ratio forecast / truth of spectra (..., K) averaged over the highest `top` of the wavenumbers: (...)."""
-    high = top_wavenumbers(forecast_spectra.shape[-1], top)
-    return (forecast_spectra[..., high] / truth_spectra[..., high]).mean(dim=-1)
+    """Ratio forecast / truth of spectra (..., K) averaged over the highest `top` of the wavenumbers the truth
+    resolves (`resolved_top`): (...); NaN where the truth has no energy above roundoff at k >= 1."""
+    high = resolved_top(truth_spectra, top)
+    ratio = torch.where(high, forecast_spectra / truth_spectra, 0.0)
+    return ratio.sum(dim=-1) / high.sum(dim=-1)
