@@ -53,7 +53,7 @@ def run_entry(script: str, *args: str, timeout: float = 240, env: dict | None = 
 def run_main(script: str, *args: str) -> tuple[int, str, str]:
     """An entry point's `main(args)` in this process, for checks that end before any training (bad input):
     (exit status, stdout, stderr). The status of `sys.exit` counts as returned. `script`: a script (train.py)
-    or a module's name (utils.checkpoints.export)."""
+    or a module's name (utils.export.convert)."""
     import contextlib
     import importlib
     import io

@@ -174,9 +174,9 @@ def _base_configs():
 def refusal(case: Case) -> str | None:
     """The one-line error the trainer refuses the case with before any work, or None if it accepts it."""
     from distributed.pipeline.stage_plan import resolve_plan
-    from utils.cli.launch import LaunchEnv
     from utils.comm import check_grid
     from utils.data.batching import check_batch
+    from utils.launch_env import LaunchEnv
 
     base = _base_configs()[case.model]
     tp, cp, pp, dp = case.sizes

@@ -7,6 +7,7 @@ xyz`, `from torch.distributed import all_reduce`) is found as well as `dist.all_
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -100,29 +101,28 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(tree: ast.Module, known: set[str]) -> set[str]:
-    """The project modules a module imports, at its top or inside functions. A `__main__` guard is left out:
-    it runs in the module started as a script (`python -m utils.comm`), a module object of its own, so what
-    it imports cannot import it back half-initialized."""
-    def is_main_guard(node: ast.AST) -> bool:
-        return isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"'
-
-    found: set[str] = set()
-    todo = [n for n in tree.body if not is_main_guard(n)]
-    while todo:
-        node = todo.pop()
+def import_lines(tree: ast.Module, known: set[str]) -> set[tuple[int, str]]:
+    """(line, project module) of every import of a module: at its top, inside functions, under
+    `if TYPE_CHECKING:` and in its `__main__` block alike (a `__main__` block that imports upward is a command
+    that belongs to the layer it imports: move it there)."""
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            found |= {(node.lineno, a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        todo.extend(ast.iter_child_nodes(node))
+            found |= {(node.lineno, node.module)} | {(node.lineno, f"{node.module}.{a.name}") for a in node.names}
     resolved = set()
-    for name in found:  # `from utils.comm import Grid` -> utils.comm; `import utils.cli.runs` -> utils.cli.runs
+    for line, name in found:  # `from utils.comm import Grid` -> utils.comm; `import utils.cli.runs` -> utils.cli.runs
         while name and name not in known:
             name = name.rpartition(".")[0]
         if name:
-            resolved.add(name)
+            resolved.add((line, name))
     return resolved
+
+
+def imported_modules(tree: ast.Module, known: set[str]) -> set[str]:
+    """The project modules a module imports, wherever in it (`import_lines`)."""
+    return {name for _, name in import_lines(tree, known)}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -175,16 +175,85 @@ def test_the_circle_finder_finds_circles():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-def test_distributed_imports_nothing_above_it_but_the_grid():
-    """distributed/ sits under the engine: from utils it imports the grid (utils.comm) and the bad-input
-    error (utils), nothing else; networks/ imports neither the engine nor distributed/."""
-    graph = import_graph()
-    upward = {name: sorted(m for m in deps if m.startswith("utils") and m not in ("utils", "utils.comm"))
-              for name, deps in graph.items() if name.startswith("distributed")}
-    assert not {k: v for k, v in upward.items() if v}
-    models = {name: sorted(m for m in deps if not m.startswith("networks") and m != "utils")
-              for name, deps in graph.items() if name.startswith("networks")}
-    assert not {k: v for k, v in models.items() if v}
+# The layers, bottom first (docs/architecture.md "Layers" states the same table). A module may import modules of
+# its own layer and of the layers below, never of a layer above. A module belongs to the longest entry that is
+# its name or a dotted prefix of it: `utils` alone is the package's own __init__.py (and any new module placed
+# in utils/ itself, until it is given a line); `distributed.pipeline.stage_plan` sits below the rest of its folder.
+LAYERS = (
+    ("base", ("utils", "utils.schema", "utils.launch_env", "utils.signals", "distributed.pipeline.stage_plan")),
+    ("models", ("networks",)),
+    ("grid", ("utils.comm", "distributed.timeouts")),
+    ("parallel", ("distributed",)),
+    ("data", ("utils.data",)),
+    ("workloads", ("utils.tasks", "utils.checkpoints")),
+    ("engine", ("utils.engine",)),
+    ("command line", ("utils.cli",)),
+    ("tools", ("utils.plan", "utils.bench", "utils.doctor", "utils.compare", "utils.forecast", "utils.export")),
+    ("scripts", ("train", "train_mp")),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of a module's layer (None: in no layer)."""
+    entries = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    return max(entries)[1] if entries else None
+
+
+def upward_imports(imports: dict[str, set[tuple[int, str]]], files: dict[str, str]) -> list[str]:
+    """'file:line: module (layer) imports module (higher layer)' for every import of a layer above its importer's,
+    and 'module: in no layer' for a module LAYERS does not place."""
+    found = []
+    for module, lines in sorted(imports.items()):
+        own = layer_of(module)
+        if own is None:
+            found.append(f"{files[module]}: {module} is in no layer (add it to LAYERS and docs/architecture.md)")
+            continue
+        for line, target in sorted(lines):
+            if (layer_of(target) or 0) > own:
+                found.append(f"{files[module]}:{line}: {module} ({LAYERS[own][0]}) imports {target} "
+                             f"({LAYERS[layer_of(target)][0]}), a layer above")
+    return found
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """Imports point down the layers of LAYERS, wherever they are written (functions and `__main__` included)."""
+    modules = {module_name(p): p for p in source_files()}
+    imports = {name: {(line, m) for line, m in import_lines(ast.parse(p.read_text()), set(modules)) if m != name}
+               for name, p in modules.items()}
+    upward = upward_imports(imports, {name: str(p.relative_to(ROOT)) for name, p in modules.items()})
+    assert not upward, "imports up the layers (tests/test_architecture.py LAYERS):\n" + "\n".join(upward)
+
+
+def test_the_layer_check_finds_upward_imports():
+    imports = {"utils.comm": {(3, "utils.cli.launch"), (4, "utils.schema")}, "networks.vit": {(9, "utils")},
+               "distributed.mappings": {(7, "utils.comm")}, "elsewhere": set()}
+    files = {name: name.replace(".", "/") + ".py" for name in imports}
+    assert upward_imports(imports, files) == [
+        "elsewhere.py: elsewhere is in no layer (add it to LAYERS and docs/architecture.md)",
+        "utils/comm.py:3: utils.comm (grid) imports utils.cli.launch (command line), a layer above"]
+    assert layer_of("distributed.pipeline.stage_plan") == 0 and layer_of("distributed.pipeline.stages") == 3
+    assert layer_of("utils") == 0 and layer_of("utils.cli.runs") == 7
+
+
+def documented_layers() -> list[tuple[str, tuple[str, ...]]]:
+    """docs/architecture.md's table of layers, bottom first, as LAYERS spells it (a row without a layer name
+    continues the one above it; a parenthesis is a remark)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| ([a-z ]*?) *\| (.*?) *\|$", text.split("## Layers", 1)[1], re.M)[1:]  # [0]: the header
+    layers: list[tuple[str, list[str]]] = []
+    for name, cell in rows:
+        paths = re.findall(r"[\w/]+(?:\.py|/)", re.sub(r"\(.*?\)", "", cell))
+        modules = [p.removesuffix("/").removesuffix(".py").removesuffix("/__init__").replace("/", ".") for p in paths]
+        if name:
+            layers.append((name, modules))
+        else:
+            layers[-1][1].extend(modules)
+    return [(name, tuple(modules)) for name, modules in reversed(layers)]
+
+
+def test_the_documented_layers_are_the_checked_ones():
+    assert documented_layers() == [(name, tuple(modules)) for name, modules in LAYERS]
 
 
 def test_no_library_module_imports_a_script():
@@ -192,11 +261,12 @@ def test_no_library_module_imports_a_script():
     assert not {name for name, deps in graph.items() if deps & {"train", "train_mp"}}
 
 
-def test_utils_holds_the_grid_and_subpackages_by_concern():
-    """Only the grid (utils/comm.py) and the bad-input error (utils/__init__.py) sit in utils/ itself;
-    everything else is in a subpackage that says what it holds."""
+def test_utils_holds_the_bottom_and_subpackages_by_concern():
+    """Only the bottom of the layers sits in utils/ itself: the bad-input error (__init__.py), the config schema,
+    the launch environment, the stop signals, and the grid (comm.py); everything else is in a subpackage that
+    says what it holds."""
     loose = sorted(p.name for p in (ROOT / "utils").glob("*.py"))
-    assert loose == ["__init__.py", "comm.py"]
+    assert loose == ["__init__.py", "comm.py", "launch_env.py", "schema.py", "signals.py"]
     packages = sorted(p.parent.name for p in (ROOT / "utils").glob("*/__init__.py"))
-    assert packages == ["bench", "checkpoints", "cli", "compare", "data", "doctor", "engine", "forecast", "plan",
-                        "tasks"]
+    assert packages == ["bench", "checkpoints", "cli", "compare", "data", "doctor", "engine", "export", "forecast",
+                        "plan", "tasks"]

@@ -135,7 +135,7 @@ def test_help_answers_without_loading_the_heavy_modules():
 def test_layout_from_layout_json_or_from_an_old_runs_config(tmp_path):
     """layout.json (the last launch's resolved layout) gives the layout, a derived dp included; a run directory
     from before layout.json: config.yaml's explicit sizes in grid order, a derived dp as one rank."""
-    from utils.cli.runs import write_layout
+    from utils.checkpoints.run_dir import write_layout
     from utils.comm import Grid, parse_order, resolve_sizes
     from utils.schema import ParallelConfig
 

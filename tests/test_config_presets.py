@@ -52,10 +52,12 @@ def cases() -> list[list[str]]:
 
 def resolve(overrides: list[str]) -> dict:
     """Chosen presets, resolved YAML and default run-directory name (layout part fixed) of a command line."""
-    from utils.cli.runs import run_dir_for
+    from utils.checkpoints.run_dir import run_dir_for
+    from utils.cli.runs import run_digest
 
     cfg, choices, yaml = load_config(overrides)
-    result = {"choices": choices, "config": yaml, "run_dir": run_dir_for(cfg, choices, yaml, "LAYOUT").name}
+    run_dir = run_dir_for(cfg, choices, "LAYOUT", run_digest(cfg, choices, yaml))
+    result = {"choices": choices, "config": yaml, "run_dir": run_dir.name}
     if not overrides or overrides == ["experiment=short"]:
         composed = compose_config(overrides)
         result["hydra"] = {k: OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(composed.hydra, k)}),

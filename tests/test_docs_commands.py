@@ -6,10 +6,10 @@ Running a command means its cheap form:
 - `python train.py`, `train_mp.py`, torchrun/srun of train.py, and the tools that take config overrides
   (`utils.bench`, `utils.plan`, `utils.plan.rank`, `utils.doctor`): the config of its overrides composed and
   validated as `python train.py <overrides> --cfg` does (`load_config`; a sweep's every point), in process;
-- the other tools (`utils.compare`, `utils.checkpoints.export`, `utils.forecast`, `utils.bench.attention`,
+- the other tools (`utils.compare`, `utils.export`, `utils.forecast`, `utils.bench.attention`,
   `utils.bench.collectives`): their `main` with the command's own arguments and `--help` appended, in process
   (a subcommand the tool does not have fails);
-- the slow test: the commands that launch nothing (`python -m utils.comm ...`, the dry plan of
+- the slow test: the commands that launch nothing (`python -m utils.plan.layout ...`, the dry plan of
   `python -m utils.plan ... --json`, `python train.py --cfg`) as subprocesses, as written.
 
 Named things: a repo path (a file or folder under a top-level folder of the project, a markdown link or
@@ -40,10 +40,11 @@ GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")
 TOP = ("config", "networks", "distributed", "utils", "submit", "tests", "docs", ".ci")
 CONFIG_TOOLS = ("utils.bench", "utils.plan", "utils.plan.rank", "utils.doctor")
 HELP_TOOLS = {  # module -> the module whose main(argv) `python -m module` calls
-    "utils.compare": "utils.compare.report", "utils.checkpoints.export": "utils.checkpoints.export",
+    "utils.compare": "utils.compare.report", "utils.export": "utils.export.convert",
     "utils.forecast": "utils.forecast.report", "utils.bench.attention": "utils.bench.attention",
     "utils.bench.collectives": "utils.bench.collectives"}
-DRY = ("python -m utils.comm ", "python -m utils.plan parallel=", "python train.py --cfg")  # run as written (slow)
+# run as written (slow)
+DRY = ("python -m utils.plan.layout ", "python -m utils.plan parallel=", "python train.py --cfg")
 # Commands not run, by the start of the command: the reason.
 NOT_RUN = {
     "pip install": "installs packages (.ci/run installs the project from scratch)",
@@ -228,7 +229,7 @@ def _help(module: str, args: list[str]) -> tuple[int, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # four interpreters importing torch: minutes on a loaded 2-core machine
 def test_the_commands_that_launch_nothing_run_as_written(tmp_path):
-    """`python -m utils.comm ...`, the dry plan `python -m utils.plan ... --json` and `python train.py --cfg`,
+    """`python -m utils.plan.layout ...`, the dry plan `python -m utils.plan ... --json` and `python train.py --cfg`,
     as subprocesses exactly as the docs write them: exit 0 and a layout, a plan or a config printed."""
     dry = [c for c in commands() if how(c)[0] == "dry"]
     assert len(dry) >= 4
@@ -374,5 +375,5 @@ def test_a_command_that_fails_is_caught():
 
     with pytest.raises(ConfigError):
         load_config(overrides_of(shlex.split("python train.py parallel.no_such_key=2")))
-    assert _help("utils.checkpoints.export", ["no-such-subcommand"])[0] != 0
+    assert _help("utils.export", ["no-such-subcommand"])[0] != 0
     assert how(Command("x", "python -m utils.unknown_tool x")) == ("unclassified", "")

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT, read_scalars
-from utils.engine.preemption import EXIT_PREEMPTED, SIGNALS
+from utils.engine.preemption import EXIT_PREEMPTED
+from utils.signals import SIGNALS
 
 # A few-second run: 2 blocks of a 32-wide ViT, batches of 4, 8 validation pairs; default data workers
 TINY = ["model.depth=2", "model.embed_dim=32", "trainer.global_batch_size=4", "data.limit_nsamples_val=8",
@@ -126,8 +127,9 @@ HOLD_TRAINER = """if __name__ == "__main__":
     import sys
     from utils.engine.build import build_run
     from utils.cli.config import load_config
+    from utils.cli.runs import run_digest
     cfg, choices, config_yaml = load_config(sys.argv[1:])
-    trainer = build_run(cfg, choices, config_yaml)
+    trainer = build_run(cfg, choices, config_yaml, run_digest(cfg, choices, config_yaml))
     sys.exit(trainer.fit())
 """
 

@@ -3,16 +3,17 @@
 import pytest
 import torch
 
-from utils.checkpoints.export import main
 from utils.checkpoints.sharded_state import read_full
 from utils.cli.config import load_config
+from utils.cli.runs import run_digest
 from utils.engine.build import build_run
+from utils.export.convert import main
 
 
 def make_trainer(run_dir, *overrides):
     cfg, choices, yaml = load_config([f"run.dir={run_dir}", "trainer.num_workers=0", "trainer.max_steps=10",
                                       *overrides])
-    return build_run(cfg, choices, yaml)
+    return build_run(cfg, choices, yaml, run_digest(cfg, choices, yaml))
 
 
 @pytest.fixture
@@ -62,4 +63,4 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     torch.save({"weight": torch.zeros(2)}, tmp_path / "bare.pt")
     with pytest.raises(SystemExit):
         main(["import", str(tmp_path / "bare.pt"), str(tmp_path / "run")])
-    assert "not a file written by `python -m utils.checkpoints.export export`" in capsys.readouterr().err
+    assert "not a file written by `python -m utils.export export`" in capsys.readouterr().err

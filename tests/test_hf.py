@@ -21,10 +21,10 @@ import torch
 from tests.helpers import QUIET, make_tokenizer, read_scalars, run_main
 from tests.rank_pool import run_entry_ranks
 from utils.checkpoints import hf
-from utils.checkpoints.export import main as export_main
 from utils.checkpoints.hf_stream import write_folder
 from utils.checkpoints.sharded_state import read_full
 from utils.comm import Axis, Grid
+from utils.export.convert import main as export_main
 from utils.tasks.generate import greedy_decode
 
 transformers = pytest.importorskip("transformers")
@@ -113,7 +113,7 @@ def pretrained(tmp_path_factory, corpus_root) -> Path:
 
 def llama_args(folder: Path, corpus_root: Path) -> list[str]:
     """The model settings import-hf prints for the folder, and the data read with its tokenizer."""
-    code, out, err = run_main("utils.checkpoints.export", "import-hf", str(folder), str(folder.parent / "imported"))
+    code, out, err = run_main("utils.export.convert", "import-hf", str(folder), str(folder.parent / "imported"))
     assert code == 0, err
     settings = re.search(r"python train\.py (.*) data=wikitext data\.tokenizer=", out).group(1).split()
     return [*settings, "data=wikitext_sample", f"data.root={corpus_root}", f"data.tokenizer={folder}",
@@ -199,7 +199,7 @@ def test_bad_folders_are_refused_with_one_line(tmp_path):
     (wider / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     cases["other shapes"] = (wider, "has shape")
     for name, (folder, needle) in cases.items():
-        code, _, err = run_main("utils.checkpoints.export", "import-hf", str(folder), str(tmp_path / f"run_{name}"))
+        code, _, err = run_main("utils.export.convert", "import-hf", str(folder), str(tmp_path / f"run_{name}"))
         one_line(code, err, needle)
         assert not (tmp_path / f"run_{name}" / "checkpoints").exists()  # refused before writing anything
 

@@ -24,9 +24,9 @@ from distributed.placement import Piece
 from tests.helpers import make_tokenizer, run_ranks
 from tests.test_hf import hf_model
 from utils.checkpoints import hf
-from utils.checkpoints.export import export_hf, import_hf
 from utils.checkpoints.hf_stream import read_pieces
 from utils.checkpoints.sharded_state import read_full
+from utils.export.convert import export_hf, import_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,10 +120,11 @@ def test_tp2_fsdp2_ranks_read_the_one_process_import(folder, corpus_root, tmp_pa
 @pytest.mark.slow
 def test_a_run_from_the_folder_exports_in_shards_that_transformers_loads(folder, corpus_root, tmp_path):
     from utils.cli.config import load_config
+    from utils.cli.runs import run_digest
     from utils.engine.build import build_run
 
     cfg, choices, yaml = load_config([*run_args(folder, corpus_root, tmp_path / "run"), f"trainer.init_from={folder}"])
-    step = build_run(cfg, choices, yaml).save_checkpoint()
+    step = build_run(cfg, choices, yaml, run_digest(cfg, choices, yaml)).save_checkpoint()
     config = export_hf(step, tmp_path / "out", shard_bytes=40 * 2**10)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

@@ -63,7 +63,7 @@ def test_launch_environments():
     import pytest
 
     from utils import ConfigError
-    from utils.cli.launch import launch_env
+    from utils.launch_env import launch_env
 
     assert launch_env({}).world_size == 1
     torchrun = launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
@@ -75,7 +75,7 @@ def test_launch_environments():
     with pytest.raises(ConfigError) as info:
         launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
     assert info.value.setting == "MASTER_ADDR"
-    from utils.cli.launch import restart_warning
+    from utils.launch_env import restart_warning
 
     shared = {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_warning(shared)
@@ -90,7 +90,7 @@ def test_each_rank_finds_its_gpu(monkeypatch):
     import torch
 
     from utils import ConfigError
-    from utils.cli.launch import pick_device
+    from utils.launch_env import pick_device
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -104,12 +104,12 @@ def test_each_rank_finds_its_gpu(monkeypatch):
 
 
 def test_layout_command_prints_groups_without_launching():
-    proc = subprocess.run([sys.executable, "-m", "utils.comm", "tp=4", "dp=2", "order=tp-dp"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "utils.plan.layout", "tp=4", "dp=2", "order=tp-dp"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert "tp groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in proc.stdout
     assert "dp groups: [[0, 4], [1, 5], [2, 6], [3, 7]]" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "utils.comm", "tp=3", "world=8"], cwd=ROOT, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "utils.plan.layout", "tp=3", "world=8"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: world size 8 does not fit tp=3")
 

@@ -224,10 +224,10 @@ def test_the_predicted_verdicts_are_those_of_the_command_line():
     from tests.matrix import GLOBAL_BATCH, refusal, space
     from utils import ConfigError
     from utils.cli.config import load_config
-    from utils.cli.launch import LaunchEnv
     from utils.comm import Axis, batch_parts, check_grid
     from utils.data.batching import check_batch
     from utils.engine.build import pipeline_plan
+    from utils.launch_env import LaunchEnv
 
     def command_line(case: Case) -> str | None:
         try:

@@ -9,6 +9,7 @@ import torch
 
 from tests.helpers import NARROW, run_ranks
 from utils.cli.config import load_config
+from utils.cli.runs import run_digest
 from utils.comm import init_grid
 from utils.engine.build import build_run
 from utils.engine.precision import GridGradScaler
@@ -17,7 +18,7 @@ from utils.schema import ParallelConfig
 
 def make_trainer(run_dir, *overrides):
     cfg, choices, yaml = load_config([f"run.dir={run_dir}", "trainer.num_workers=0", *overrides])
-    return build_run(cfg, choices, yaml)
+    return build_run(cfg, choices, yaml, run_digest(cfg, choices, yaml))
 
 
 def train_losses(trainer, steps):

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from tests.helpers import ROOT
-from utils.engine.preemption import EARLY_SIGNALS, EXIT_LATE, SIGNALS, StopRequest, record_stop_signals, take_early_stop
+from utils.engine.preemption import EARLY_SIGNALS, EXIT_LATE, StopRequest, record_stop_signals, take_early_stop
+from utils.signals import SIGNALS
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import json
 
 from tests.helpers import QUIET
 from tests.rank_pool import run_entry_ranks
-from utils.cli.runs import LAYOUT_FILE, TASK_FILE, layout_facts, read_facts, read_layout, write_layout
+from utils.checkpoints.run_dir import LAYOUT_FILE, TASK_FILE, layout_facts, read_facts, read_layout, write_layout
 from utils.comm import Axis, Grid, parse_order, rank_layout, resolve_sizes
 from utils.compare.report import layout_of
 from utils.schema import ParallelConfig

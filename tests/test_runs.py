@@ -6,13 +6,14 @@ import pytest
 
 from tests.helpers import run_entry
 from utils import ConfigError
+from utils.checkpoints.run_dir import check_resumable, differences, run_dir_for
 from utils.cli.config import load_config
-from utils.cli.runs import check_resumable, differences, run_dir_for
+from utils.cli.runs import run_digest
 
 
 def default_dir(*overrides):
     cfg, choices, yaml = load_config(list(overrides))
-    return run_dir_for(cfg, choices, yaml, "single").name
+    return run_dir_for(cfg, choices, "single", run_digest(cfg, choices, yaml)).name
 
 
 def test_default_names_are_readable_and_distinct():

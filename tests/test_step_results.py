@@ -13,8 +13,9 @@ import torch
 
 from tests.helpers import read_scalars, run_ranks
 from tests.test_precision import make_trainer
-from utils.engine.preemption import EXIT_PREEMPTED, SIGNALS
+from utils.engine.preemption import EXIT_PREEMPTED
 from utils.engine.step_results import StepResult, StepResults
+from utils.signals import SIGNALS
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 

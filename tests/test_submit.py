@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from utils.cli.runs import read_layout
+from utils.checkpoints.run_dir import read_layout
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 

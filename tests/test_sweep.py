@@ -15,8 +15,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers import ROOT, read_scalars
+from utils.checkpoints.run_dir import read_layout
 from utils.cli.hydra_app import SUBMITIT_MAX_NUM_TIMEOUT, is_hydra_command, with_launcher_defaults, with_sweep_subdir
-from utils.cli.runs import read_layout
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
@@ -35,14 +35,17 @@ def train(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedPr
 
 def single_run_dir(*args: str) -> Path:
     """run.dir of `python train.py ARGS` as a single run (utils.cli.runs naming, its layout on as many ranks)."""
+    from utils.checkpoints.run_dir import run_dir_for
     from utils.cli.config import load_config
-    from utils.cli.launch import LaunchEnv, ranks_needed
-    from utils.cli.runs import run_dir_for
+    from utils.cli.launch import ranks_needed
+    from utils.cli.runs import run_digest
     from utils.comm import check_grid, layout_name, parse_order
+    from utils.launch_env import LaunchEnv
 
     cfg, choices, config_yaml = load_config(list(args))
     sizes = check_grid(cfg.parallel, LaunchEnv(world_size=ranks_needed(cfg.parallel)))
-    return run_dir_for(cfg, choices, config_yaml, layout_name(sizes, parse_order(cfg.parallel.order)))
+    return run_dir_for(cfg, choices, layout_name(sizes, parse_order(cfg.parallel.order)),
+                       run_digest(cfg, choices, config_yaml))
 
 
 def check_trained(run_dir: Path, steps: int = 1) -> None:

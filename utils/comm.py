@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distributed.timeouts import set_group_timeouts
 from utils import ConfigError, require
-from utils.cli.launch import LaunchEnv, launch_env, pick_device
+from utils.launch_env import LaunchEnv, launch_env, pick_device
 from utils.schema import AXIS_NAMES, ParallelConfig, order_names
 
 
@@ -342,9 +342,3 @@ def build_mesh(sizes: dict[Axis, int], order: tuple[Axis, ...], device: torch.de
 def destroy_grid() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":  # `python -m utils.comm tp=4 dp=2`: the command lives with the tools
-    from utils.plan.layout import main
-
-    raise SystemExit(main())

@@ -36,10 +36,11 @@ import torch.nn.functional as F
 
 from distributed.device import synchronize
 from utils import ConfigError, exit_bad_input, require
-from utils.cli.launch import die_with_parent, free_port, launch_env, rank_env
+from utils.cli.launch import die_with_parent, free_port, rank_env
 from utils.cli.local_launch import supervise
 from utils.comm import Axis, destroy_grid, init_grid
 from utils.engine.flops import device_name
+from utils.launch_env import launch_env
 from utils.schema import CP_VARIANTS, ParallelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

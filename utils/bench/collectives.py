@@ -22,9 +22,9 @@ import torch
 from distributed.collectives import all_gather, all_reduce, barrier, own_chunk, reduce_scatter, split_sizes
 from distributed.device import synchronize
 from utils import ConfigError, exit_bad_input, require
-from utils.cli.launch import launch_env
 from utils.comm import destroy_grid, init_grid
 from utils.engine.flops import device_name
+from utils.launch_env import launch_env
 from utils.schema import ParallelConfig
 
 

@@ -36,11 +36,11 @@ from distributed.device import synchronize
 from utils import ConfigError, exit_bad_input, require
 from utils.bench.versus_seed import compare, table
 from utils.cli.config import load_config
-from utils.cli.launch import launch_env
 from utils.comm import Axis, destroy_grid, init_grid
 from utils.engine.build import build_trainer
 from utils.engine.flops import device_name
 from utils.engine.memory import peak_memory_gib
+from utils.launch_env import launch_env
 from utils.tasks import build_task
 
 HEADER = ("| date | device | model | precision | compile | layout | global batch | samples/s | tokens/s "

@@ -101,8 +101,8 @@ def check_launcher_ranks(hydra_args: list[str], points: list[list[str]], cfgs: l
     """Under a submitit launcher with several tasks per point each task is one rank: refuse, before any job
     is submitted, a point whose layout does not fit hydra.launcher.nodes x tasks_per_node (else each of its
     ranks fails inside its job, after the queue wait)."""
-    from utils.cli.launch import LaunchEnv
     from utils.comm import check_grid
+    from utils.launch_env import LaunchEnv
 
     if not (_value(hydra_args, "hydra/launcher") or "").startswith("submitit"):
         return
@@ -199,7 +199,7 @@ def _quoted(text: str) -> str:
 
 def export_submitit_ranks() -> None:
     """Under a submitit launcher with several tasks per point, each task is one rank: export MASTER_ADDR/
-    PORT, RANK, WORLD_SIZE, LOCAL_RANK from the job (utils/cli/launch.py reads them as torchrun's). GPUs stay
+    PORT, RANK, WORLD_SIZE, LOCAL_RANK from the job (utils/launch_env.py reads them as torchrun's). GPUs stay
     as Slurm shows them: pick_device gives local rank r GPU r, or the task's only one."""
     if not os.environ.get("SUBMITIT_EXECUTOR"):
         return

@@ -28,9 +28,10 @@ import torch
 
 from utils import ConfigError, exit_bad_input, require
 from utils.cli.config import load_config
-from utils.cli.launch import LaunchEnv, die_with_parent, free_port, launch_env, rank_env, ranks_needed
+from utils.cli.launch import die_with_parent, free_port, rank_env, ranks_needed
 from utils.comm import check_grid, destroy_grid
 from utils.engine.preemption import EARLY_SIGNALS, EXIT_LATE, EXIT_PREEMPTED, take_early_stop
+from utils.launch_env import LaunchEnv, launch_env
 
 ENTRY_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"  # what a new rank interpreter runs
 
@@ -43,11 +44,12 @@ def starts_local_ranks(cfg) -> bool:
 def run(cfg, choices: dict[str, str], config_yaml: str, argv: list[str]) -> int:
     """Train one configured run here, or hand it to `launch_main` (same `argv`), which starts the local
     ranks of its layout (their launch_env says torchrun)."""
+    from utils.cli.runs import run_digest
     from utils.engine.build import build_run
 
     if starts_local_ranks(cfg):
         return launch_main(argv)
-    return build_run(cfg, choices, config_yaml).fit()
+    return build_run(cfg, choices, config_yaml, run_digest(cfg, choices, config_yaml)).fit()
 
 
 def run_command(argv: list[str]) -> int:

@@ -133,7 +133,7 @@ def layout_of(run_dir: Path, parallel: dict) -> tuple[str, int]:
     utils.cli.launch), a derived dp (parallel.dp=0) as the one rank a one-process start gives it."""
     from types import SimpleNamespace
 
-    from utils.cli.runs import read_layout
+    from utils.checkpoints.run_dir import read_layout
 
     facts = read_layout(run_dir)
     if facts is not None:
@@ -150,7 +150,7 @@ def layout_of(run_dir: Path, parallel: dict) -> tuple[str, int]:
 def load_run(run_dir: Path, name: str) -> Run:
     from omegaconf import OmegaConf
 
-    from utils.cli.runs import TASK_FILE, read_facts
+    from utils.checkpoints.run_dir import TASK_FILE, read_facts
 
     config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
     layout, ranks = layout_of(run_dir, config.get("parallel") or {})

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from distributed.collectives import broadcast_, broadcast_object, nbytes
 from utils import require
 from utils.comm import AxisGroup
-from utils.engine.preemption import ignore_stop_signals, stop_signals_blocked
+from utils.signals import ignore_stop_signals, stop_signals_blocked
 
 
 class GlobalBatchSampler(Sampler[list[int]]):

@@ -31,9 +31,15 @@ from utils import require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
 from utils.checkpoints.hf_stream import read_pieces
+from utils.checkpoints.run_dir import (
+    check_resumable,
+    flat_config,
+    prepare_run_dir,
+    run_dir_for,
+    write_layout,
+    write_task,
+)
 from utils.checkpoints.sharded_state import checkpoint_view, load_state, read_shapes
-from utils.cli.launch import restart_warning
-from utils.cli.runs import check_resumable, flat_config, prepare_run_dir, run_dir_for, write_layout, write_task
 from utils.comm import Axis, Grid, background_group, batch_parts, check_grid, init_grid, layout_name, parse_order
 from utils.data.batching import build_loaders, check_batch
 from utils.engine.flops import mfu_absence, training_flops_per_sample
@@ -44,6 +50,7 @@ from utils.engine.optim import build_optimizer, build_scheduler
 from utils.engine.precision import autocast, configure_matmul, grad_scaler, precision_notice
 from utils.engine.preemption import StopRequest
 from utils.engine.trainer import Trainer
+from utils.launch_env import restart_warning
 from utils.schema import Config
 from utils.tasks import build_task
 
@@ -137,8 +144,9 @@ def resume_run_dir(resume: str, run_dir: Path) -> Path | None:
     return parents[1] if len(parents) > 1 else None
 
 
-def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer:
-    """Everything train.py does before fitting: validate against the data and the launch, then build.
+def build_run(cfg: Config, choices: dict[str, str], config_yaml: str, digest: str) -> Trainer:
+    """Everything train.py does before fitting: validate against the data and the launch, then build. `digest`
+    names the settings overridden beyond the presets in a default run directory (utils/cli/runs.py `run_digest`).
 
     Stop signals are recorded from the first line on (a notice ahead of a time limit can arrive during a
     long checkpoint load or data preparation); the trainer's `fit` acts on them before its first step."""
@@ -150,7 +158,7 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str) -> Trainer
         microbatches = pipeline_plan(cfg).microbatches if sizes[Axis.PP] > 1 else 1
         check_batch(cfg.trainer.global_batch_size, batch_parts(sizes), cfg.trainer.grad_accum_steps,
                     len(task.train_set), microbatches)
-        run_dir = run_dir_for(cfg, choices, config_yaml, layout_name(sizes, parse_order(cfg.parallel.order)))
+        run_dir = run_dir_for(cfg, choices, layout_name(sizes, parse_order(cfg.parallel.order)), digest)
         previous = resume_run_dir(cfg.trainer.resume, run_dir)
         if previous is not None:
             check_resumable(previous, config_yaml)
@@ -243,7 +251,7 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
                                     read_train=grid.same_batch.rank == 0)  # see SharedBatches
     if grid.is_main:
         (trainer.run_dir / "config.yaml").write_text(config_yaml)
-        write_layout(trainer.run_dir, grid)  # run facts as data (utils/cli/runs.py), read by tools and tests
+        write_layout(trainer.run_dir, grid)  # run facts as data (utils/checkpoints/run_dir.py), read by tools and tests
         write_task(trainer.run_dir, cfg, task)
     notes = [note] if (note := mfu_absence(grid.device, cfg.precision.mode)) is not None else []
     if trainer.step < cfg.trainer.max_steps:  # a finished run's directory gets no new events

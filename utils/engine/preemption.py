@@ -15,17 +15,16 @@ cluster file system): the entry points call `record_stop_signals` on their first
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+
+from utils.signals import SIGNALS
 
 EXIT_PREEMPTED = 75  # a checkpoint of the step reached was written: requeue or re-run to continue
 EXIT_LATE = 76  # the deadline passed before the checkpoint was complete: the previous one stands
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 # Before set-up Ctrl-C keeps its default (nothing to save yet: the user wants out); the others are recorded.
 EARLY_SIGNALS = tuple(sig for sig in SIGNALS if sig != signal.SIGINT)
 _early: list[tuple[int, float]] = []  # (signal, time.monotonic()) of the first stop signal before set-up
@@ -47,26 +46,6 @@ def record_stop_signals() -> None:
 def take_early_stop() -> tuple[int, float] | None:
     """The stop signal recorded before set-up and when it came (time.monotonic()), once; None without one."""
     return _early.pop() if _early else None
-
-
-def ignore_stop_signals(_worker_id: int = 0) -> None:
-    """For DataLoader workers: leave the signals to the trainer (Slurm signals every process of a step;
-    a worker that died of SIGTERM would fail the trainer's last fetch). Workers exit with their rank
-    (utils/data/batching.py `start_worker`)."""
-    for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-@contextlib.contextmanager
-def stop_signals_blocked() -> Iterator[None]:
-    """Hold the stop signals back while helper processes start (the forkserver, the resource tracker):
-    they inherit the blocked mask across exec and so survive a signal sent to every process of a job
-    (Slurm's SIGUSR1 included), while this process receives what arrived once the block ends."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class StopRequest:

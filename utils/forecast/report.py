@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from utils import ConfigError, exit_bad_input, require
-from utils.cli.runs import load_run
+from utils.checkpoints.run_dir import load_run
 
 
 def parse_args(argv: list[str] | None):

@@ -176,8 +176,9 @@ def check_plannable(cfg) -> None:
 
 def world_of(cfg) -> int:
     """Ranks cfg's layout needs (as train_mp.py counts them), validated like a launch."""
-    from utils.cli.launch import LaunchEnv, ranks_needed
+    from utils.cli.launch import ranks_needed
     from utils.comm import check_grid
+    from utils.launch_env import LaunchEnv
 
     world = ranks_needed(cfg.parallel)
     check_grid(cfg.parallel, LaunchEnv(world_size=world))

@@ -1,4 +1,4 @@
-"""Print a layout's rank groups without launching anything: `python -m utils.comm tp=4 dp=2 order=tp-dp`."""
+"""Print a layout's rank groups without launching anything: `python -m utils.plan.layout tp=4 dp=2 order=tp-dp`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from utils.schema import ParallelConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m utils.comm tp=4 dp=2 order=tp-dp`: print the rank groups without launching anything.
+    """`python -m utils.plan.layout tp=4 dp=2 order=tp-dp`: print the rank groups without launching anything.
 
     With pp > 1, `depth=` (default 4) adds which blocks each stage holds (pp_schedule=,
     pp_stages_per_rank=, pp_microbatches= as in `parallel.`)."""
@@ -34,3 +34,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{plan.microbatches} microbatches, {plan.bubble_text()}")
         print("\n".join(plan.describe()))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

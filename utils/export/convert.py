@@ -1,10 +1,10 @@
 """A checkpoint of any layout as one torch.save file of the single-process state, or as a Hugging Face
 model folder, and back.
 
-    python -m utils.checkpoints.export export runs/<run>/checkpoints/step_0000100 model.pt
-    python -m utils.checkpoints.export import model.pt runs/<new run>      # -> runs/<new run>/checkpoints/step_0000100
-    python -m utils.checkpoints.export export-hf runs/<run>/checkpoints/step_0000100 hf/<name>
-    python -m utils.checkpoints.export import-hf hf/<name> runs/<new run>  # -> runs/<new run>/checkpoints/step_0000000
+    python -m utils.export export runs/<run>/checkpoints/step_0000100 model.pt
+    python -m utils.export import model.pt runs/<new run>      # -> runs/<new run>/checkpoints/step_0000100
+    python -m utils.export export-hf runs/<run>/checkpoints/step_0000100 hf/<name>
+    python -m utils.export import-hf hf/<name> runs/<new run>  # -> runs/<new run>/checkpoints/step_0000000
 
 The file holds plain tensors of the one-process model, readable without this project:
 
@@ -39,8 +39,8 @@ from utils import ConfigError, exit_bad_input, require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer
 from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_folder
+from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts
 from utils.checkpoints.sharded_state import SafeReader, read_full
-from utils.cli.runs import TASK_FILE, load_run, read_facts
 from utils.comm import Grid
 from utils.data.tokenizers import PretrainedTokenizer
 
@@ -73,7 +73,7 @@ def import_checkpoint(file: Path, run_dir: Path) -> Path:
     """Write the state of an exported `file` as a checkpoint of `run_dir`; returns its step folder."""
     state = torch.load(file, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or not {"model", "optimizer", "trainer"} <= state.keys():
-        raise ConfigError(f"{file} is not a file written by `python -m utils.checkpoints.export export`", "FILE",
+        raise ConfigError(f"{file} is not a file written by `python -m utils.export export`", "FILE",
                           "export a checkpoint first (it holds model, optimizer and trainer)")
     tensors = {f"model/{name}": t for name, t in state["model"].items()}
     tensors.update({f"optim/{name}/{entry}": t for name, entries in state["optimizer"].items()
@@ -141,7 +141,7 @@ def import_hf(folder: Path, run_dir: Path, vocab_multiple: int = 64) -> tuple[Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m utils.checkpoints.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m utils.export", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     out = sub.add_parser("export", help="checkpoint folder -> one torch.save file")
     out.add_argument("checkpoint", type=Path)
