@@ -52,7 +52,7 @@ from utils.engine.preemption import StopRequest
 from utils.engine.trainer import Trainer
 from utils.launch_env import restart_warning
 from utils.schema import Config
-from utils.tasks import build_task
+from utils.tasks import Task, build_task
 
 
 @dataclass
@@ -64,7 +64,7 @@ class BuiltModel:
     forward: PipelineForward | None = None  # pp > 1: the forward-only pass through every stage
 
 
-def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltModel:
+def build_model(cfg: Config, task: Task, grid: Grid, *, values: bool = True) -> BuiltModel:
     """This rank's stages and shards of the model, never the whole model (utils/engine/materialize.py).
 
     The serial model is built on the meta device (shapes, ties, no memory), cut for this pipeline rank,
@@ -99,7 +99,7 @@ def build_model(cfg: Config, task, grid: Grid, *, values: bool = True) -> BuiltM
     return BuiltModel(model, model, flops, *build_pipeline(cfg, task, grid, model, plan))
 
 
-def flops_per_sample(cfg: Config, task, model: nn.Module) -> float:
+def flops_per_sample(cfg: Config, task: Task, model: nn.Module) -> float:
     """Training FLOPs of one sample of the full serial `model` (any device, meta included)."""
     causal = any(getattr(m, "causal", False) is True for m in model.modules())  # attention cores say it
     return training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(), cfg.model.depth,
@@ -111,7 +111,7 @@ def pipeline_plan(cfg: Config) -> PipelinePlan:
     return resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, cfg.model.depth)
 
 
-def build_pipeline(cfg: Config, task, grid: Grid, model: nn.Module, plan: PipelinePlan):
+def build_pipeline(cfg: Config, task: Task, grid: Grid, model: nn.Module, plan: PipelinePlan):
     """(Pipeline, PipelineForward) over this rank's stages of the cut `model`, with static shapes."""
     parts = grid.batch.size * cfg.trainer.grad_accum_steps * plan.microbatches
     example = task.example_batch(cfg.trainer.global_batch_size // parts, torch.device("meta"))[0]
@@ -178,7 +178,7 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str, digest: st
     return trainer
 
 
-def check_init_from(folder: Path, cfg: Config, task) -> None:
+def check_init_from(folder: Path, cfg: Config, task: Task) -> None:
     """A complete checkpoint, or a Hugging Face folder of the configured language model (its config.json
     checked against model.* and the tokenizer's vocabulary, before any work)."""
     if (folder / "config.json").is_file():
@@ -214,7 +214,7 @@ def init_weights_from(trainer: Trainer, folder: Path) -> None:
     trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
 
 
-def build_trainer(cfg: Config, task, grid: Grid, log: logging.Logger, run_dir: Path, *,
+def build_trainer(cfg: Config, task: Task, grid: Grid, log: logging.Logger, run_dir: Path, *,
                   values: bool = True) -> Trainer:
     """Model, optimizer, schedule, scaler and checkpointer: a trainer that can take steps (no data yet).
     values=False: weights without values (build_model), for the planner's shapes-only step."""

@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from utils import require
+from utils.schema import TrainerConfig
 
 TOP_OPS = 25  # rows of the operator table
 
@@ -31,7 +32,8 @@ TOP_OPS = 25  # rows of the operator table
 class StepProfiler:
     """Starts torch.profiler before step `start` and writes its trace and table after step `end`."""
 
-    def __init__(self, tc, run_dir: Path, rank: int, is_main: bool, device: torch.device, log: logging.Logger):
+    def __init__(self, tc: TrainerConfig, run_dir: Path, rank: int, is_main: bool, device: torch.device,
+                 log: logging.Logger):
         require(not tc.profile_memory or device.type == "cuda", "memory snapshots record the CUDA caching allocator",
                 "trainer.profile_memory", "set trainer.profile_memory=false on the CPU")
         self.enabled, self.memory = tc.profile, tc.profile_memory

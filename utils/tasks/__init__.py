@@ -15,6 +15,7 @@ from torch import nn
 
 from utils import require
 from utils.comm import Grid
+from utils.schema import Config
 from utils.tasks.registry import MODELS, spec_of
 
 
@@ -29,11 +30,11 @@ class Task(Protocol):
     val_set: Any
 
     @staticmethod
-    def check_config(cfg: Any) -> None:
+    def check_config(cfg: Config) -> None:
         """The rules that tie this task's model and data to the layout and the trainer (raise ConfigError)."""
 
     @staticmethod
-    def loss_is_criterion(cfg: Any) -> bool:
+    def loss_is_criterion(cfg: Config) -> bool:
         """Whether `training_loss` is criterion(model(x), y) under `cfg` (what a pipeline's last stage computes:
         another loss, such as several model calls or an auxiliary term, is refused under pp)."""
 
@@ -69,7 +70,7 @@ class Task(Protocol):
         """Multi-step forecast skill (trainer.rollout_every; the weather task, utils/tasks/forecast.py)."""
 
 
-def check_pairing(cfg) -> None:
+def check_pairing(cfg: Config) -> None:
     """The data fits the model (exit 2 naming the models that would), the pipeline computes the task's loss,
     then the task's own rules."""
     model, data = cfg.model, cfg.data
@@ -84,7 +85,7 @@ def check_pairing(cfg) -> None:
             "parallel.pp", "set parallel.pp=1")
 
 
-def build_task(cfg, load_data: bool = True) -> Task:
+def build_task(cfg: Config, load_data: bool = True) -> Task:
     """The workload of the configured model family, its data inspected (before any distributed work)."""
     spec = spec_of(cfg.model.arch)
     task = spec.task(cfg.data, cfg.model, cfg.trainer, build=spec.build)

@@ -13,6 +13,7 @@ from networks.transformer import GPTConfig, check_seq_len, padded_vocab_size
 from utils import require
 from utils.comm import Axis, Grid
 from utils.data.wikitext import WikiTextConfig, load_wikitext
+from utils.schema import Config
 from utils.tasks.generate import greedy_decode
 
 
@@ -24,7 +25,7 @@ class LanguageTask:
     quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
 
     @staticmethod
-    def check_config(cfg) -> None:
+    def check_config(cfg: Config) -> None:
         model, data, cp, tp = cfg.model, cfg.data, cfg.parallel.cp, cfg.parallel.tp
         check_seq_len(model, data.seq_len)
         require(model.kv_heads % tp == 0 or tp % model.kv_heads == 0,
@@ -70,7 +71,7 @@ class LanguageTask:
         return self.corpus.vocab_size if self.corpus else self.data_less_vocab
 
     @staticmethod
-    def loss_is_criterion(cfg) -> bool:
+    def loss_is_criterion(cfg: Config) -> bool:
         return True
 
     def build_model(self) -> nn.Module:
