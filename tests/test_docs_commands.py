@@ -375,5 +375,5 @@ def test_a_command_that_fails_is_caught():
 
     with pytest.raises(ConfigError):
         load_config(overrides_of(shlex.split("python train.py parallel.no_such_key=2")))
-    assert _help("utils.export", ["no-such-subcommand"])[0] != 0
+    assert _help("utils.export.convert", ["no-such-subcommand"])[0] != 0
     assert how(Command("x", "python -m utils.unknown_tool x")) == ("unclassified", "")
