@@ -3,9 +3,29 @@ helpers tests share are in tests/helpers.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread per test process: the suite runs two xdist workers on two cores, and a process with two
+# OpenMP threads beside the other worker's spins at every barrier (the launcher gives each local rank its share
+# of the cores already: utils/cli/launch.py). Set before any test module imports torch; children inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The files that take longest, started first: xdist hands out whole files (--dist loadfile) in the order they
+# are collected (--no-loadscope-reorder; its default orders by the number of tests, which put the long files of
+# few tests last and left one worker idle while the other finished them). Seconds summed over each file's
+# tests, `pytest --durations=0`, 2-core Intel Xeon AVX-512, 2026-11-27 (a loaded machine: the order matters).
+LONGEST_FIRST = {"test_matrix.py": 487, "test_layouts.py": 410, "test_submit.py": 395, "test_train_e2e.py": 373,
+                 "test_launch.py": 101, "test_sweep.py": 67, "test_forecast.py": 66, "test_exit_paths.py": 63,
+                 "test_precision.py": 63, "test_compile.py": 60, "test_config_presets.py": 45,
+                 "test_doctor_campaign.py": 38, "test_fsdp_pipeline.py": 38, "test_rank_pool.py": 37}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long files first (a stable sort: the rest keep their order)."""
+    items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))
 
 pytest_plugins = ["pytester"]  # tests/test_planted_bugs.py runs the plant harness's plugin in a nested pytest
 

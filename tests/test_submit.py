@@ -340,7 +340,8 @@ def test_the_fix_for_a_layout_that_does_not_fit_asks_for_what_the_job_uses(stand
 
 def test_test_job_runs_pytest_in_one_task(standin):
     quick = "tests/test_submit.py::test_every_script_parses_and_shares_one_helper"
-    proc, calls = sbatch(standin, "test_job.sh", quick, per_node=1)
+    # one process (-n0): two xdist workers would each import torch and collect the suite to run one test
+    proc, calls = sbatch(standin, "test_job.sh", "-n0", "-p", "no:cacheprovider", quick, per_node=1)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     [call] = calls
     assert call["ntasks"] == 1 and call["command"][:4] == ["python", "-m", "pytest", "-q"]
