@@ -58,7 +58,7 @@ class ModelSpec:
     name: str  # as messages name it
     schema: type  # the config dataclass of `model=` (validated in its __post_init__)
     presets: str  # the presets a user chooses from, for messages ("model=vit_tiny, vit_base or vit_large")
-    task: type  # the Task it trains with (its data: task.DATA_KIND, DATA_NAME, DATA_SCHEMA)
+    task: type  # the Task it trains with (its data: task.DATA_KIND, DATA_NAME, DATA_SCHEMAS)
     build: Callable[[Any, Any], nn.Module]  # (model config, task) -> the serial FamilyModel
     hf_model_types: tuple[str, ...] = ()  # Hugging Face model types its adapter reads and writes
 

@@ -14,8 +14,8 @@ from tests.helpers import QUIET, read_scalars, read_tags, run_main
 from tests.rank_pool import run_entry_ranks
 from utils.tasks.forecast import cell_area_weights, skill, skill_sums
 
-ROLLOUT = [*QUIET, "trainer.max_steps=1", "trainer.rollout_every=1", "trainer.rollout_steps=3",
-           "trainer.rollout_inits=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4"]
+ROLLOUT = [*QUIET, "trainer.max_steps=1", "task.eval.every=1", "task.eval.steps=3",
+           "task.eval.inits=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4"]
 
 
 def test_cell_area_weights_are_wb2s():
@@ -119,6 +119,7 @@ def test_a_rollout_under_any_layout_equals_one_process(layout, single, era5_root
 class _Rollouts:
     """Two initial times of 3 channels on a 4 x 8 grid, 3 steps, in place of the files (Rollouts' interface)."""
     starts, steps, img_size, climatology = [(0, 0), (0, 1)], 3, (4, 8), None
+    latitudes = np.array([67.5, 22.5, -22.5, -67.5])
     means, stds = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1), torch.tensor([0.5, 1.0, 2.0]).view(3, 1, 1)
 
     def read(self, index):
@@ -165,18 +166,18 @@ def test_bf16_rollouts_follow_the_fp32_rollout(single, era5_root, tmp_path):
 
 
 @pytest.mark.parametrize("args,line", [
-    (["trainer.rollout_every=1", "trainer.rollout_steps=40"],
-     "error: a rollout of 40 steps of dt=1 needs 41 times after each of 8 initial times, and the validation files "
-     "hold 0 such starts (files of at most 32 times) (trainer.rollout_steps): use trainer.rollout_steps <= 31 or "
-     "fewer trainer.rollout_inits"),
-    (["model=gpt_tiny", "data=wikitext_sample", "trainer.rollout_every=5"],
-     "error: rollouts are forecasts of the weather model (trainer.rollout_every): set trainer.rollout_every=0 for "
-     "the language model"),
-    (["trainer.rollout_steps=0"],
-     "error: rollout_steps must be positive (trainer.rollout_steps): set a positive integer"),
-    (["trainer.rollout_train_steps=2", "parallel.pp=2"],
-     "error: trainer.rollout_train_steps=2 with parallel.pp=2: a rollout feeds the last stage's prediction back to "
-     "the first stage within one step, which the pipeline schedules do not do (trainer.rollout_train_steps): use "
+    (["task.eval.every=1", "task.eval.steps=40"],
+     "error: a rollout of 40 steps of dt=1 needs 41 times after each of 8 initial times, and the validation split "
+     "holds 0 such starts (segments of at most 32 times) (task.eval.steps): use task.eval.steps <= 31 or fewer "
+     "task.eval.inits"),
+    (["model=gpt_tiny", "data=wikitext_sample", "task.eval.every=5"],  # the language task has no such setting
+     "error: unknown setting 'task.eval.every' (task.eval.every=5): check the spelling; `python train.py --cfg` "
+     "prints every setting"),
+    (["task.eval.steps=0"],
+     "error: steps must be positive (task.eval.steps): set a positive integer"),
+    (["task.rollout_train_steps=2", "parallel.pp=2"],
+     "error: task.rollout_train_steps=2 with parallel.pp=2: a rollout feeds the last stage's prediction back to "
+     "the first stage within one step, which the pipeline schedules do not do (task.rollout_train_steps): use "
      "parallel.pp=1 (tp, cp, dp and fsdp run rollout training), or rollout_train_steps=1"),
 ])
 def test_bad_rollout_settings_are_one_line_and_exit_2(args, line, era5_root, corpus_root):
@@ -265,7 +266,7 @@ def test_the_forecast_command_refuses_bad_input_with_one_line(era5_root, corpus_
 
 
 ROLLOUT_TRAINING = [*QUIET, "trainer.max_steps=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4",
-                    "trainer.rollout_train_steps=3", "trainer.rollout_train_every=2", "trainer.log_every=1",
+                    "task.rollout_train_steps=3", "task.rollout_train_every=2", "trainer.log_every=1",
                     "trainer.activation_checkpointing=true"]  # K = 1, 1, 2, 2 over the 4 steps
 
 
@@ -310,7 +311,7 @@ def test_rollout_training_changes_the_loss_from_k_2_on(rollout_single, era5_root
     """The curriculum's first steps (K = 1) are one-step training on the same samples; from step 3 (K = 2)
     the loss is the rollout's, so it differs from a run with the horizon read but K held at 1."""
     run_dir = tmp_path / "k1"
-    argv = [*ROLLOUT_TRAINING, f"data.root={era5_root}", f"run.dir={run_dir}", "trainer.rollout_train_every=100"]
+    argv = [*ROLLOUT_TRAINING, f"data.root={era5_root}", f"run.dir={run_dir}", "task.rollout_train_every=100"]
     assert [r.value for r in run_entry_ranks(argv, 1)] == [0]
     one_step, rolled = _losses(run_dir), _losses(rollout_single)
     assert one_step[:2] == rolled[:2] and one_step[2] != pytest.approx(rolled[2], rel=1e-3)

@@ -140,11 +140,6 @@ class TrainerConfig:
     worker_start: str = "forkserver"  # forkserver | spawn | fork: how data workers start (see utils/data/batching)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
-    rollout_every: int = 0  # ERA5: steps between rollout evaluations, and one at the end (0 = none)
-    rollout_steps: int = 20  # ERA5: autoregressive steps of data.dt per rollout (20 x 6 h = 5 days)
-    rollout_inits: int = 8  # ERA5: initial times of the validation split, evenly spaced
-    rollout_train_steps: int = 1  # ERA5: predicted steps per training sample, the loss their mean (1 = one-step)
-    rollout_train_every: int = 0  # ERA5 curriculum: K = min(rollout_train_steps, 1 + step // this) (0: K at once)
     stop_at_step: int | None = None  # end this invocation after this step with a checkpoint (job time limits)
     preempt_deadline_s: float = 120.0  # after SIGTERM/SIGUSR1: seconds to finish the step and checkpoint
     nonfinite: str = "stop"  # stop | skip: a non-finite loss or grad norm ends the run, or skips the update
@@ -163,10 +158,7 @@ class TrainerConfig:
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
             value = getattr(self, name)
             require(value > 0, f"{name} must be positive, got {value}", f"trainer.{name}", "set a positive integer")
-        for name in ("rollout_steps", "rollout_inits", "rollout_train_steps"):
-            require(getattr(self, name) > 0, f"{name} must be positive", f"trainer.{name}", "set a positive integer")
-        for name in ("val_every", "ckpt_every", "num_workers", "rollout_every", "rollout_train_every",
-                     "fingerprint_steps"):
+        for name in ("val_every", "ckpt_every", "num_workers", "fingerprint_steps"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0", f"trainer.{name}", "set 0 or more")
         require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
                 "trainer.stop_at_step", "set null or a positive step")
@@ -210,6 +202,7 @@ class Config:
 
     model: Any = MISSING  # a family's schema (utils/tasks/registry.py; config/model/)
     data: Any = MISSING  # the data schema of that family (config/data/)
+    task: Any = MISSING  # the settings of that family's task (config/task/, chosen by the data preset)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -35,7 +35,9 @@ def register_schemas() -> None:
     cs.store(name="config_schema", node=Config)
     for spec in MODELS.values():  # config/model/*.yaml and config/data/*.yaml start from these
         cs.store(group="model", name=f"{spec.arch}_schema", node=spec.schema)
-        cs.store(group="data", name=f"{spec.task.DATA_KIND}_schema", node=spec.task.DATA_SCHEMA)
+        for name, schema in spec.task.DATA_SCHEMAS.items():  # the task's data sources, config/task/ its settings
+            cs.store(group="data", name=f"{name}_schema", node=schema)
+        cs.store(group="task", name=f"{spec.task.TASK_SCHEMA().kind}_schema", node=spec.task.TASK_SCHEMA)
     cs.store(group="precision", name="precision_schema", node=PrecisionConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)

@@ -1,15 +1,17 @@
-"""ERA5 reader for the NERSC tutorial's on-disk layout.
+"""ERA5 in the NERSC tutorial's on-disk layout: the data schema of `data=era5*` and its reader.
 
     <root>/train/<year>.h5, <root>/valid/<year>.h5, <root>/test/<year>.h5   dataset `fields` [T, C, H, W] f32
     <root>/stats/global_means.npy, global_stds.npy  [1, C, 1, 1];  <root>/stats/time_means.npy
 
-A sample is a normalized pair (state at t, state at t+dt), cropped to `img_size` from the top-left.
-Files are inspected once at start (shape, channels, readability) and opened lazily in each worker.
+A sample is a normalized pair (state at t, state at t+dt), cropped to `img_size` from the top-left
+(`FieldPairs`, utils/data/fields.py, over a `NERSCReader`). The files carry no coordinates: their rows are the
+0.25-degree ERA5 grid from 90 to -89.75 degrees (720 rows, the south pole left out; `nersc_latitudes`), the
+synthetic copy's are its generator's (utils/data/era5_synthetic.py), and the channels are named by the table
+below (WeatherBench 2's variable, pressure level and units of each).
 """
 
 from __future__ import annotations
 
-import bisect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,14 +19,40 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from utils import ConfigError, require
+from utils.data import era5_synthetic
+from utils.data.fields import Channel, FieldPairs
 
 # The 20 channels of the NERSC/FourCastNet subset, in file order (u10m first).
 CHANNELS = ["u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850", "v850", "z850",
             "u500", "v500", "z500", "t500", "z50", "r500", "r850", "tcwv"]
 SPLITS = ("train", "valid", "test")
+SURFACE = {"u10m": ("10m_u_component_of_wind", "m/s"), "v10m": ("10m_v_component_of_wind", "m/s"),
+           "t2m": ("2m_temperature", "K"), "sp": ("surface_pressure", "Pa"), "msl": ("mean_sea_level_pressure", "Pa"),
+           "tcwv": ("total_column_water_vapour", "kg/m^2")}
+ON_LEVELS = {"u": ("u_component_of_wind", "m/s"), "v": ("v_component_of_wind", "m/s"), "t": ("temperature", "K"),
+             "z": ("geopotential", "m^2/s^2"), "r": ("relative_humidity", "%")}
+
+
+def nersc_channel(name: str) -> Channel:
+    """A NERSC channel name as WeatherBench 2 names its variable: u10m, t2m, ... at the surface; u850, z500, ...
+    (letter and hPa) on pressure levels; another name is a surface variable of that name and unknown units."""
+    if name in SURFACE:
+        return Channel(name, *SURFACE[name][:1], None, SURFACE[name][1])
+    letter, level = name[:1], name[1:]
+    if letter in ON_LEVELS and level.isdigit():
+        variable, units = ON_LEVELS[letter]
+        return Channel(name, variable, int(level), units)
+    return Channel(name, name, None, "")
+
+
+def nersc_latitudes(num_rows: int) -> np.ndarray:
+    """Latitudes (degrees north) of the rows of a NERSC file: from 90 southwards, 180 / num_rows apart (the
+    0.25-degree grid's 720 rows end at -89.75), or 180 / (num_rows - 1) apart for an odd count that includes
+    both poles (721 rows: 90 to -90)."""
+    step = 180.0 / (num_rows - 1 if num_rows % 2 else num_rows)
+    return 90.0 - np.arange(num_rows) * step
 
 
 @dataclass
@@ -51,6 +79,16 @@ class ERA5Config:
             require(value is None or value > 0, f"{name} must be positive", f"data.{name}",
                     "set null or a positive count")
 
+    def open(self, split: str) -> NERSCReader:
+        """The reader of a split ("train", "valid", "test"): the synthetic copy generated first when asked for."""
+        if self.synthetic:
+            root = era5_synthetic.ensure_synthetic(Path(self.root) if self.root else None)
+            return NERSCReader(root, split, self, era5_synthetic.latitudes())
+        require(bool(self.root), "no data folder given", "data.root", "set data.root=/path/to/era5 (NERSC layout)")
+        root = Path(self.root)
+        require(root.is_dir(), f"data folder {root} does not exist", "data.root", "point it at the ERA5 folder")
+        return NERSCReader(root, split, self)
+
 
 @dataclass(frozen=True)
 class FileInfo:
@@ -68,7 +106,7 @@ def split_files(root: Path, split: str) -> list[Path]:
     return files
 
 
-def inspect_file(path: Path, num_channels: int, dt: int) -> FileInfo:
+def inspect_file(path: Path, num_channels: int) -> FileInfo:
     """Read shape and one value at the end of `fields` (detects truncation) without loading the data."""
     try:
         with h5py.File(path, "r") as f:
@@ -82,7 +120,6 @@ def inspect_file(path: Path, num_channels: int, dt: int) -> FileInfo:
                           "re-copy the file or remove it from the split folder") from None
     require(c == num_channels, f"{path} has {c} channels, the config lists {num_channels}", "data.channels",
             "list exactly the channels of the files")
-    require(t > dt, f"{path} has {t} time steps, need more than dt={dt}", "data.dt", "use a smaller dt")
     return FileInfo(path, t, (h, w))
 
 
@@ -100,52 +137,63 @@ def load_stats(root: Path, num_channels: int) -> tuple[np.ndarray, np.ndarray]:
     return stats[0], stats[1]
 
 
-class ERA5Dataset(Dataset):
-    """Normalized (x_t, x_t+dt) pairs from one split, each a float32 tensor [C, H, W]; with `horizon` K > 1
-    (rollout training) the target is the K states after x_t, [K, C, H, W]."""
+class NERSCReader:
+    """One split of the NERSC layout (a FieldReader, utils/data/fields.py): its yearly files, each a segment,
+    cropped to `img_size` from the top-left. Files are inspected once (shape, channels, readability) and opened
+    lazily in each process (DataLoader workers each get their own handles)."""
 
-    def __init__(self, root: Path, split: str, cfg: ERA5Config, limit: int | None, horizon: int = 1):
-        num_channels = len(cfg.channels)
-        self.infos = [inspect_file(p, num_channels, cfg.dt * horizon) for p in split_files(root, split)]
+    hours_per_step = 6.0  # the files are 6-hourly
+
+    def __init__(self, root: Path, split: str, cfg: ERA5Config, latitudes: np.ndarray | None = None):
+        """`latitudes`: of the files' rows (default: `nersc_latitudes`)."""
+        names = list(cfg.channels)
+        self.root, self.split = root, split
+        self.infos = [inspect_file(p, len(names)) for p in split_files(root, split)]
         h, w = cfg.img_size
         for info in self.infos:
             require(h <= info.shape[0] and w <= info.shape[1],
                     f"img_size {[h, w]} is larger than the files ({list(info.shape)})", "data.img_size",
                     f"choose a crop no larger than {list(info.shape)}")
-        self.img_size, self.dt, self.horizon = (h, w), cfg.dt, horizon
-        means, stds = load_stats(root, num_channels)
-        self.means, self.stds = torch.from_numpy(means[0]), torch.from_numpy(stds[0])  # (C, 1, 1)
-        counts = [i.num_times - cfg.dt * horizon for i in self.infos]
-        self.offsets = np.cumsum([0] + counts).tolist()
-        self.length = min(self.offsets[-1], limit) if limit else self.offsets[-1]
+        self.img_size = (h, w)
+        self.channels = tuple(nersc_channel(name) for name in names)
+        rows, cols = self.infos[0].shape
+        self.latitudes = (nersc_latitudes(rows) if latitudes is None else np.asarray(latitudes))[:h]
+        self.longitudes = (np.arange(cols) * 360.0 / cols)[:w]
+        means, stds = load_stats(root, len(names))
+        self.means, self.stds = means.reshape(-1), stds.reshape(-1)
+        self.segment_lengths = [info.num_times for info in self.infos]
         self._handles: dict[int, h5py.File] = {}
         self._pid = None
 
-    def __len__(self) -> int:
-        return self.length
+    def segment_name(self, segment: int) -> str:
+        return self.infos[segment].path.name
+
+    def describe(self) -> str:
+        return str(self.root)
 
     def _fields(self, file_index: int):
-        """Open files lazily, once per process (DataLoader workers each get their own handles)."""
+        """Open files lazily, once per process."""
         if self._pid != os.getpid():
             self._handles, self._pid = {}, os.getpid()
         if file_index not in self._handles:
             self._handles[file_index] = h5py.File(self.infos[file_index].path, "r")
         return self._handles[file_index]["fields"]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < self.length:
-            raise IndexError(index)
-        file_index = bisect.bisect_right(self.offsets, index) - 1
-        t = index - self.offsets[file_index]
+    def read(self, segment: int, times: slice) -> np.ndarray:
         h, w = self.img_size
-        fields = self._fields(file_index)
-        x = torch.from_numpy(fields[t, :, :h, :w].astype(np.float32))
-        if self.horizon == 1:
-            y = torch.from_numpy(fields[t + self.dt, :, :h, :w].astype(np.float32))
-        else:
-            end = t + self.dt * self.horizon + 1
-            y = torch.from_numpy(fields[t + self.dt:end:self.dt, :, :h, :w].astype(np.float32))
-        return (x - self.means) / self.stds, (y - self.means) / self.stds
+        return self._fields(segment)[times, :, :h, :w].astype(np.float32)
+
+    def climatology(self) -> np.ndarray | None:
+        """stats/time_means.npy cropped (C, H, W), or None without the file."""
+        path = self.root / "stats" / "time_means.npy"
+        if not path.is_file():
+            return None
+        (h, w), c = self.img_size, len(self.channels)
+        means = np.load(path)
+        require(means.ndim == 4 and means.shape[:2] == (1, c) and means.shape[2] >= h and means.shape[3] >= w,
+                f"{path} has shape {list(means.shape)}", "data.root",
+                f"write stats/time_means.npy as [1, {c}, H, W] of the files' grid (or remove it: ACC is then off)")
+        return means.astype(np.float32)[0, :, :h, :w]
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -153,9 +201,22 @@ class ERA5Dataset(Dataset):
         return state
 
 
+class ERA5Dataset(FieldPairs):
+    """Normalized (x_t, x_t+dt) pairs from one split of the NERSC layout (`FieldPairs` over a `NERSCReader`)."""
+
+    def __init__(self, root: Path, split: str, cfg: ERA5Config, limit: int | None, horizon: int = 1,
+                 latitudes: np.ndarray | None = None):
+        super().__init__(NERSCReader(root, split, cfg, latitudes), cfg.dt, limit, horizon)
+
+    @property
+    def _handles(self) -> dict:
+        return self.reader._handles
+
+
 def latitude_weights(num_lat: int) -> torch.Tensor:
-    """cos(latitude) weights normalized to mean 1, shape (num_lat, 1), as the seed's weighted RMSE:
-    row j of the crop sits at latitude 90 - j * 180 / (num_lat - 1), north pole first."""
+    """cos(latitude) weights normalized to mean 1, shape (num_lat, 1), as the seed's weighted RMSE (validation's
+    val/rmse/<channel>, whatever the data): row j of the crop sits at latitude 90 - j * 180 / (num_lat - 1), north
+    pole first. The forecast skill and the weighted losses use the data's own latitudes (utils/data/fields.py)."""
     j = torch.arange(num_lat, dtype=torch.float64)
     w = torch.cos(torch.deg2rad(90.0 - j * 180.0 / max(1, num_lat - 1)))
     return (w / w.mean()).float().unsqueeze(-1)

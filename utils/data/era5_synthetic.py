@@ -18,41 +18,47 @@ import numpy as np
 
 from utils import ConfigError
 from utils.data.cache import user_cache_dir
-from utils.data.era5 import CHANNELS
 
 GRID = (32, 64)  # (lat, lon) points: a 5.625-degree grid
+NUM_CHANNELS = 20  # the NERSC layout's (utils/data/era5.py CHANNELS)
 YEARS = {"train": [2016, 2017], "valid": [2018], "test": [2019]}
 STEPS_PER_YEAR = {"train": 64, "valid": 32, "test": 16}
 NUM_WAVES = 12
 VERSION = 1
 
 
+def latitudes() -> np.ndarray:
+    """Latitudes of the grid's rows (degrees north, north first): cell centres, 5.625 degrees apart, no poles."""
+    return np.linspace(90, -90, GRID[0], endpoint=False) - 90.0 / GRID[0]
+
+
 def _channel_climatology(lat: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean field (C, H, 1) and anomaly scale (C,), in loosely physical units."""
     coslat = np.cos(np.deg2rad(lat))[None, :, None]
-    offset = rng.uniform(-1, 1, size=(len(CHANNELS), 1, 1)) * 10.0
+    offset = rng.uniform(-1, 1, size=(NUM_CHANNELS, 1, 1)) * 10.0
     offset[2] += 250.0  # t2m ~ kelvin
     offset[3] += 1000.0  # sp ~ hPa
-    amplitude = rng.uniform(5, 40, size=(len(CHANNELS), 1, 1))
-    scale = rng.uniform(1, 10, size=len(CHANNELS))
+    amplitude = rng.uniform(5, 40, size=(NUM_CHANNELS, 1, 1))
+    scale = rng.uniform(1, 10, size=NUM_CHANNELS)
     return offset + amplitude * coslat, scale
 
 
-def _waves(rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _waves(rng: np.random.Generator, num_channels: int = NUM_CHANNELS) -> dict[str, np.ndarray]:
     return {
         "m": rng.integers(1, 6, size=NUM_WAVES),  # zonal wavenumber
         "lat0": rng.uniform(-60, 60, size=NUM_WAVES),  # band centre (deg)
         "width": rng.uniform(15, 35, size=NUM_WAVES),  # band width (deg)
         "amp_period": rng.uniform(20, 60, size=NUM_WAVES),  # steps per amplitude cycle
-        "mix": rng.normal(size=(len(CHANNELS), NUM_WAVES)) / np.sqrt(NUM_WAVES),
+        "mix": rng.normal(size=(num_channels, NUM_WAVES)) / np.sqrt(NUM_WAVES),
     }
 
 
-def make_year(num_steps: int, waves: dict, clim: np.ndarray, scale: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Fields [T, C, H, W] float32 for one year with its own random phases."""
-    h, w = GRID
-    lat = np.linspace(90, -90, h, endpoint=False) - 90.0 / h
-    lon = np.linspace(0, 2 * np.pi, w, endpoint=False)
+def make_year(num_steps: int, waves: dict, clim: np.ndarray, scale: np.ndarray, rng: np.random.Generator,
+              lat: np.ndarray | None = None, num_lon: int = GRID[1]) -> np.ndarray:
+    """Fields [T, C, H, W] float32 for one year with its own random phases, on this module's grid or on the rows
+    `lat` (degrees) and `num_lon` columns (utils/data/era5_zarr_synthetic.py)."""
+    lat = latitudes() if lat is None else lat
+    lon = np.linspace(0, 2 * np.pi, num_lon, endpoint=False)
     jet = 0.12 + 0.10 * np.cos(np.deg2rad(2 * lat))  # eastward phase speed (rad/step) by latitude
     phase = rng.uniform(0, 2 * np.pi, size=NUM_WAVES)
     amp_phase = rng.uniform(0, 2 * np.pi, size=NUM_WAVES)
@@ -71,9 +77,7 @@ def make_year(num_steps: int, waves: dict, clim: np.ndarray, scale: np.ndarray, 
 def generate(root: Path, seed: int = 0) -> None:
     """Write train/valid/test yearly files and stats/ under `root` (which must not exist yet)."""
     rng = np.random.default_rng(seed)
-    h, _ = GRID
-    lat = np.linspace(90, -90, h, endpoint=False) - 90.0 / h
-    clim, scale = _channel_climatology(lat, rng)
+    clim, scale = _channel_climatology(latitudes(), rng)
     waves = _waves(rng)
     train = []
     for split, years in YEARS.items():

@@ -313,7 +313,7 @@ class Trainer:
         validation and rollouts (when set) also at max_steps, a checkpoint at the step the run stops at."""
         tc, step = self.tc, self.step
         return (step == tc.max_steps or bool(tc.val_every and step % tc.val_every == 0),
-                bool(tc.rollout_every) and (step == tc.max_steps or step % tc.rollout_every == 0),
+                bool(self.task.rollout_every) and (step == tc.max_steps or step % self.task.rollout_every == 0),
                 step == stop or bool(tc.ckpt_every and step % tc.ckpt_every == 0))
 
     def at_boundary(self, stop: int) -> bool:
@@ -378,7 +378,7 @@ class Trainer:
                 self.progress.message(f"saved checkpoint {path}")
 
     def rollout(self) -> dict[str, float]:
-        """The task's multi-step forecast skill (trainer.rollout_every), logged at this step."""
+        """The task's multi-step forecast skill (every task.rollout_every steps), logged at this step."""
         return self._evaluate("rollout", lambda: self.task.evaluate_rollout(
             self.forward_model, grid=self.grid, autocast=self.autocast, writer=self.tb, step=self.step),
             lambda metrics: f"{len(metrics)} scalars rollout/<rmse|acc|bias>/<channel>/<lead>h")

@@ -48,8 +48,8 @@ def forecast(args) -> dict:
     from utils.checkpoints.checkpointer import Checkpointer
     from utils.checkpoints.sharded_state import read_full
     from utils.comm import Grid
-    from utils.schema import TrainerConfig
     from utils.tasks.forecast import Rollouts, rollout_skill
+    from utils.tasks.weather import ForecastEvalConfig, WeatherTaskConfig
 
     times = None if "," not in args.init and args.init.strip().isdigit() else args.init.split(",")
     require(all(t.strip().isdigit() for t in (times or [args.init])) and args.steps > 0 and (times or int(args.init)),
@@ -60,12 +60,11 @@ def forecast(args) -> dict:
     require(Checkpointer(args.checkpoint.parent.parent, Grid.serial().world).is_complete(args.checkpoint),
             f"{args.checkpoint} is not a complete checkpoint", "CHECKPOINT",
             "give a step_* folder that holds a COMPLETE marker")
-    task = family.task(data_cfg, model_cfg, TrainerConfig(rollout_every=1, rollout_steps=args.steps,
-                                                          rollout_inits=count), build=family.build)
+    settings = WeatherTaskConfig(eval=ForecastEvalConfig(every=1, steps=args.steps, inits=count))
+    task = family.task(data_cfg, model_cfg, settings, build=family.build)
     task.load_data()
     if times:
-        root = task.val_set.infos[0].path.parent.parent  # the data folder (the synthetic cache included)
-        task.rollouts = Rollouts.of(task.val_set, root, args.steps, count, [int(t) for t in times], "--init")
+        task.rollouts = Rollouts.of(task.val_set, args.steps, count, [int(t) for t in times], "--init")
     model = task.build_model()
     state = {k.partition("/")[2]: v for k, v in read_full(args.checkpoint).items() if k.startswith("model/")}
     model.load_state_dict(state)
@@ -81,12 +80,11 @@ def write_outputs(args, result: dict) -> list[Path]:
     import numpy as np
 
     from utils.tasks.figures import field_panels, skill_panels
-    from utils.tasks.weather import HOURS_PER_STEP, SKILL_CHANNELS
+    from utils.tasks.weather import SKILL_CHANNELS
 
     task, skill, out = result["task"], result["skill"], args.out
     out.mkdir(parents=True, exist_ok=True)
-    channels, dt = task.cfg.channels, task.cfg.dt
-    leads = [(k + 1) * dt * HOURS_PER_STEP for k in range(args.steps)]
+    channels, leads = task.channels, task.lead_hours(args.steps)
     written = [out / "forecast.h5", out / "metrics.md", out / "metrics.csv"]
     with h5py.File(written[0], "w") as f:
         f.create_dataset("forecast", data=result["forecasts"].numpy().astype(np.float32))

@@ -22,10 +22,12 @@ from utils.tasks.registry import MODELS, spec_of
 class Task(Protocol):
     """What a workload provides to the build, the trainer and the tools."""
 
-    DATA_KIND: ClassVar[str]  # the `data.kind` it trains on
+    DATA_KIND: ClassVar[str]  # the `data.kind` it trains on (its first source's)
     DATA_NAME: ClassVar[str]  # as messages name that data
-    DATA_SCHEMA: ClassVar[type]  # the data config dataclass
+    DATA_SCHEMAS: ClassVar[dict[str, type]]  # data.kind -> the data config dataclass of each source it reads
+    TASK_SCHEMA: ClassVar[type]  # its settings, the `task` section (config/task/<kind>.yaml, named by the data presets)
     quality_metric: str  # the validation metric a run is judged by, besides val/loss (a TensorBoard tag)
+    rollout_every: int  # optimizer steps between `evaluate_rollout`s (and one at the end); 0: none
     train_set: Any  # map-style datasets of (input, target) pairs, set by load_data
     val_set: Any
 
@@ -67,7 +69,7 @@ class Task(Protocol):
         """val/loss and the task's metrics over the validation loader, reduced over the grid."""
 
     def evaluate_rollout(self, model: nn.Module, *, grid: Grid, autocast, writer, step: int) -> dict[str, float]:
-        """Multi-step forecast skill (trainer.rollout_every; the weather task, utils/tasks/forecast.py)."""
+        """Multi-step forecast skill (every `rollout_every` steps; the weather task, utils/tasks/forecast.py)."""
 
 
 def check_pairing(cfg: Config) -> None:
@@ -75,10 +77,12 @@ def check_pairing(cfg: Config) -> None:
     then the task's own rules."""
     model, data = cfg.model, cfg.data
     spec = spec_of(model.arch)  # each schema checks its own arch tag
-    fits = [s for s in MODELS.values() if s.task.DATA_KIND == data.kind]
-    require(spec.task.DATA_KIND == data.kind, f"the {fits[0].task.DATA_NAME} data needs a "
+    fits = [s for s in MODELS.values() if data.kind in s.task.DATA_SCHEMAS]
+    require(data.kind in spec.task.DATA_SCHEMAS, f"the {fits[0].task.DATA_NAME} data needs a "
             f"{' or '.join(s.name for s in fits)} model", "model",
             "use " + "; ".join(s.presets for s in fits) + f" with data={data.kind}*")
+    require(isinstance(cfg.task, spec.task.TASK_SCHEMA), f"task settings of kind {getattr(cfg.task, 'kind', '?')!r} "
+            f"for the {spec.name} model", "task", "leave task as the data preset sets it (config/data/)")
     spec.task.check_config(cfg)
     require(cfg.parallel.pp == 1 or spec.task.loss_is_criterion(cfg), f"the {spec.name} task's training loss "
             "under these settings is not criterion(model(x), y), which a pipeline's last stage computes",
@@ -88,7 +92,7 @@ def check_pairing(cfg: Config) -> None:
 def build_task(cfg: Config, load_data: bool = True) -> Task:
     """The workload of the configured model family, its data inspected (before any distributed work)."""
     spec = spec_of(cfg.model.arch)
-    task = spec.task(cfg.data, cfg.model, cfg.trainer, build=spec.build)
+    task = spec.task(cfg.data, cfg.model, cfg.task, build=spec.build)
     if load_data:
         task.load_data()
     return task

@@ -2,20 +2,22 @@
 
 From an initial state x_0 the model predicts x_1, is fed its own prediction (in float32 whatever the autocast
 dtype), and so on for K steps of data.dt (6 h each in ERA5). At each lead time l and for each channel c, in
-physical units (the normalisation undone with stats/global_means.npy and global_stds.npy):
+physical units (the normalisation undone with the data's means and stds, utils/data/fields.py):
 
     w_j      cell-area latitude weights: sin(phi_j + d/2) - sin(phi_j - d/2) of row j (bounds clipped to the
-             poles), normalised to mean 1 over the rows; rows at phi_j = 90 - j * 180 / (H - 1), d = 180 / (H - 1)
+             poles), normalised to mean 1 over the rows; phi_j the data's latitude of row j, d the rows' spacing
+             (utils/data/fields.py cell_area_weights)
     MSE_t    = mean_ij w_j (f - o)^2                      for initial time t, forecast f, truth o
     RMSE     = sqrt(mean_t MSE_t)                         the root after the time mean, as WB2
     bias     = mean_t mean_ij w_j (f - o)
     ACC_t    = sum_ij w_j f' o' / sqrt(sum_ij w_j f'^2 * sum_ij w_j o'^2),   f' = f - C, o' = o - C
     ACC      = mean_t ACC_t
 
-with C the climatology of stats/time_means.npy (one time-mean field per channel, as FourCastNet's ACC; WB2's
-climatology is by day of year and hour). Baselines: persistence (f = x_0 at every lead) and climatology
-(f = C, whose ACC is undefined: NaN, as in WB2). Without time_means.npy there is no climatology: ACC and the
-climatology baseline are left out with a notice, RMSE and bias are still reported.
+with C the data's climatology (one time-mean field per channel, as FourCastNet's ACC: stats/time_means.npy in the
+NERSC layout, the statistics file's time means of a zarr store; WB2's climatology is by day of year and hour).
+Baselines: persistence (f = x_0 at every lead) and climatology (f = C, whose ACC is undefined: NaN, as in WB2).
+Without a climatology (no time_means.npy) ACC and the climatology baseline are left out with a notice, RMSE and
+bias are still reported. The data are read through the split's reader only.
 
 Under any layout the sums over initial times are reduced over the batch group (each dp rank takes every
 dp-th initial time; tp, cp and pp ranks of a replica compute the same), so the numbers are those of one process.
@@ -25,9 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
@@ -35,17 +35,9 @@ from distributed.collectives import all_reduce_
 from distributed.pipeline.schedule import from_last_stage
 from utils import ConfigError, require
 from utils.comm import Grid
+from utils.data.fields import FieldPairs, FieldReader, cell_area_weights
 
 METRICS = ("rmse", "acc", "bias")
-
-
-def cell_area_weights(num_lat: int) -> torch.Tensor:
-    """WeatherBench 2's latitude weights of `num_lat` rows from 90 to -90 degrees: (num_lat, 1), mean 1."""
-    step = 180.0 / max(1, num_lat - 1)
-    lat = 90.0 - torch.arange(num_lat, dtype=torch.float64) * step
-    upper, lower = (lat + step / 2).clamp(max=90.0), (lat - step / 2).clamp(min=-90.0)
-    w = torch.sin(torch.deg2rad(upper)) - torch.sin(torch.deg2rad(lower))
-    return (w / w.mean()).unsqueeze(-1)
 
 
 def skill_sums(forecast: torch.Tensor, truth: torch.Tensor, weights: torch.Tensor,
@@ -78,67 +70,59 @@ def skill(sums: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
 class Rollouts:
     """The initial times of the rollout evaluation: evenly spaced over a split, each with K truths after it."""
 
-    files: list[Path]
-    starts: list[tuple[int, int]]  # (file index, time index) of each initial time
+    reader: FieldReader  # the split's (utils/data/fields.py): the only one that opens files
+    starts: list[tuple[int, int]]  # (segment, time index) of each initial time
     steps: int
     dt: int
-    img_size: tuple[int, int]
     means: torch.Tensor  # (C, 1, 1)
     stds: torch.Tensor
-    climatology: torch.Tensor | None  # (C, H, W) physical, or None without stats/time_means.npy
+    climatology: torch.Tensor | None  # (C, H, W) physical, or None when the data has none
+
+    @property
+    def latitudes(self) -> np.ndarray:
+        """Of the fields' rows (the latitude weights are their cell areas)."""
+        return self.reader.latitudes
 
     @classmethod
-    def of(cls, dataset, root: Path, steps: int, count: int, times: list[int] | None = None,
-           setting: str = "trainer.rollout_inits") -> Rollouts:
-        """`count` initial times of `dataset`'s files (an ERA5Dataset), each followed by `steps` x dt times;
-        or the given `times`: indices of the split's times, counted over its files in order."""
-        span = steps * dataset.dt
-        usable = [(i, t) for i, info in enumerate(dataset.infos) for t in range(info.num_times - span)]
+    def of(cls, dataset: FieldPairs, steps: int, count: int, times: list[int] | None = None,
+           setting: str = "task.eval.inits") -> Rollouts:
+        """`count` initial times of `dataset`'s split, each followed by `steps` x dt times; or the given `times`:
+        indices of the split's times, counted over its segments in order."""
+        span, lengths = steps * dataset.dt, dataset.reader.segment_lengths
         if times is not None:
-            return cls._at(dataset, root, steps, [cls._locate(dataset, t, span, setting) for t in times])
-        longest = max(info.num_times for info in dataset.infos)
+            return cls._at(dataset, steps, [cls._locate(dataset.reader, t, span, setting) for t in times])
+        usable = [(i, t) for i, num in enumerate(lengths) for t in range(num - span)]
         require(len(usable) >= count, f"a rollout of {steps} steps of dt={dataset.dt} needs {span + 1} times after "
-                f"each of {count} initial times, and the validation files hold {len(usable)} such starts (files of "
-                f"at most {longest} times)", "trainer.rollout_steps",
-                f"use trainer.rollout_steps <= {max(0, (longest - 1) // dataset.dt)} or fewer trainer.rollout_inits")
-        return cls._at(dataset, root, steps, [usable[k * len(usable) // count] for k in range(count)])
+                f"each of {count} initial times, and the validation split holds {len(usable)} such starts (segments "
+                f"of at most {max(lengths)} times)", "task.eval.steps",
+                f"use task.eval.steps <= {max(0, (max(lengths) - 1) // dataset.dt)} or fewer task.eval.inits")
+        return cls._at(dataset, steps, [usable[k * len(usable) // count] for k in range(count)])
 
     @staticmethod
-    def _locate(dataset, time: int, span: int, setting: str) -> tuple[int, int]:
-        """(file index, time index) of the split's time `time`, checked to have `span` times after it."""
+    def _locate(reader: FieldReader, time: int, span: int, setting: str) -> tuple[int, int]:
+        """(segment, time index) of the split's time `time`, checked to have `span` times after it."""
         first = 0
-        for i, info in enumerate(dataset.infos):
-            if first <= time < first + info.num_times:
-                left = info.num_times - 1 - (time - first)
-                require(left >= span, f"initial time {time} is {left} times before the end of {info.path.name}, "
-                        f"a rollout needs {span}", setting, "choose an earlier initial time or fewer steps")
+        for i, num in enumerate(reader.segment_lengths):
+            if first <= time < first + num:
+                left = num - 1 - (time - first)
+                require(left >= span, f"initial time {time} is {left} times before the end of "
+                        f"{reader.segment_name(i)}, a rollout needs {span}", setting,
+                        "choose an earlier initial time or fewer steps")
                 return i, time - first
-            first += info.num_times
+            first += num
         raise ConfigError(f"initial time {time} is outside the split's {first} times", setting,
                           f"give times from 0 to {first - 1}")
 
     @classmethod
-    def _at(cls, dataset, root: Path, steps: int, starts: list[tuple[int, int]]) -> Rollouts:
-        h, w = dataset.img_size
-        path = root / "stats" / "time_means.npy"
-        clim = None
-        if path.is_file():
-            means = np.load(path)
-            c = len(dataset.means)
-            require(means.ndim == 4 and means.shape[:2] == (1, c) and means.shape[2] >= h and means.shape[3] >= w,
-                    f"{path} has shape {list(means.shape)}", "data.root",
-                    f"write stats/time_means.npy as [1, {c}, H, W] of the files' grid (or remove it: ACC is then off)")
-            clim = torch.from_numpy(means.astype(np.float32))[0, :, :h, :w]
-        return cls([info.path for info in dataset.infos], starts, steps, dataset.dt, (h, w), dataset.means,
-                   dataset.stds, clim)
+    def _at(cls, dataset: FieldPairs, steps: int, starts: list[tuple[int, int]]) -> Rollouts:
+        clim = dataset.reader.climatology()
+        return cls(dataset.reader, starts, steps, dataset.dt, dataset.means, dataset.stds,
+                   None if clim is None else torch.from_numpy(np.ascontiguousarray(clim, dtype=np.float32)))
 
     def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x_0 normalised (C, H, W), truths in physical units (K, C, H, W)) of initial time `index`."""
-        file, t = self.starts[index]
-        h, w = self.img_size
-        with h5py.File(self.files[file], "r") as f:
-            times = f["fields"][t:t + self.steps * self.dt + 1:self.dt, :, :h, :w].astype(np.float32)
-        fields = torch.from_numpy(times)
+        segment, t = self.starts[index]
+        fields = torch.from_numpy(self.reader.read(segment, slice(t, t + self.steps * self.dt + 1, self.dt)))
         return (fields[0] - self.means) / self.stds, fields[1:]
 
 
@@ -159,7 +143,7 @@ def rollout_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, with_basel
                          if with_baselines else [])
     num_channels = len(rollouts.means)
     sums = torch.zeros(len(names), rollouts.steps, 3, num_channels, dtype=torch.float64, device=device)
-    weights = cell_area_weights(rollouts.img_size[0]).to(device)
+    weights = cell_area_weights(rollouts.latitudes).to(device)
     means, stds = rollouts.means.to(device), rollouts.stds.to(device)
     clim = rollouts.climatology.to(device) if rollouts.climatology is not None else None
     if per_rank:

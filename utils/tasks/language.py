@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,10 +18,23 @@ from utils.schema import Config
 from utils.tasks.generate import greedy_decode
 
 
+@dataclass
+class LanguageTaskConfig:
+    """Schema of the language task's `task` section (config/task/language.yaml): no settings of its own yet."""
+
+    kind: str = "language"  # task tag (fixed by the preset)
+
+    def __post_init__(self):
+        require(self.kind == "language", f"kind {self.kind!r} is not language", "task.kind",
+                "leave kind as set by the data preset")
+
+
 class LanguageTask:
     """Next-token prediction on WikiText with a decoder-only Transformer family (GPT, Llama, ...)."""
 
-    DATA_KIND, DATA_NAME, DATA_SCHEMA = "wikitext", "WikiText", WikiTextConfig
+    DATA_KIND, DATA_NAME, TASK_SCHEMA = "wikitext", "WikiText", LanguageTaskConfig
+    DATA_SCHEMAS = {"wikitext": WikiTextConfig}  # data.kind -> schema (config/data/ presets)
+    rollout_every = 0  # no forecasts
     num_prompts, prompt_len = 3, 8
     quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
 
@@ -35,16 +49,12 @@ class LanguageTask:
         require(model.mlp != "swiglu" or model.hidden % tp == 0, f"model.mlp_hidden={model.hidden} is not divisible by "
                 f"parallel.tp={tp} (the gated MLP keeps each unit's gate and up rows on one rank)", "model.mlp_hidden",
                 f"choose a multiple of {tp}")
-        for name in ("rollout_every", "rollout_train_every"):
-            require(getattr(cfg.trainer, name) == 0, "rollouts are forecasts of the weather model",
-                    f"trainer.{name}", f"set trainer.{name}=0 for the language model")
-        require(cfg.trainer.rollout_train_steps == 1, "rollouts are forecasts of the weather model",
-                "trainer.rollout_train_steps", "set trainer.rollout_train_steps=1 for the language model")
         require(data.seq_len % (2 * cp) == 0, f"data.seq_len={data.seq_len} is not a multiple of 2 x parallel.cp="
                 f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
                 f"use a multiple of {2 * cp}")
 
-    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig, trainer=None, build=None):
+    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig, task: LanguageTaskConfig | None = None,
+                 build=None):
         self.cfg, self.model_cfg, self.build = data, model_cfg, build  # build: the family's (networks/spec.py)
         self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
         self.train_set = self.val_set = self.corpus = None

@@ -1,10 +1,17 @@
-"""The ERA5 workload: next-state regression with the ViT, validated by latitude-weighted RMSE per channel."""
+"""The ERA5 workload: next-state regression with the ViT, validated by latitude-weighted RMSE per channel.
+
+The task owns its settings, the `task` section (config/task/weather.yaml, chosen by the weather data presets):
+its training loss (utils/tasks/weather_loss.py), rollout training, and the forecast evaluation (`task.eval`,
+which a run may change between invocations: utils/cli/runs.py RESUME_SAFE). It reads its data through a reader
+(utils/data/fields.py), whichever source the data schema names (`DATA_SCHEMAS`: a new source adds its line).
+"""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -13,33 +20,75 @@ from distributed.pipeline.schedule import from_last_stage
 from networks.vit import ViTConfig
 from utils import require
 from utils.comm import Grid
-from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
-from utils.data.era5_synthetic import ensure_synthetic
+from utils.data.era5 import ERA5Config, latitude_weights
+from utils.data.era5_zarr import ERA5ZarrConfig
+from utils.data.fields import FieldPairs
 from utils.tasks.figures import field_panels, figure_image, skill_panels
 from utils.tasks.forecast import Rollouts, rollout_skill
+from utils.tasks.weather_loss import GRAPHCAST_WEIGHTS, LOSSES, WeightedMSE, loss_table
 from utils.tasks.weather_metrics import weighted_rmse_per_sample
 
-HOURS_PER_STEP = 6  # ERA5's files are 6-hourly
-SKILL_CHANNELS = ("u10m", "t2m", "z500")  # the channels of the skill figures (those the data has)
+# the channels of the skill figures (those the data has): u10m, t2m and z500 by either source's names
+SKILL_CHANNELS = ("u10m", "t2m", "z500", "10m_u_component_of_wind", "2m_temperature", "geopotential@500")
+
+
+@dataclass
+class ForecastEvalConfig:
+    """Schema of `task.eval`: the rollout evaluation (utils/tasks/forecast.py). Resume-safe: changing it neither
+    renames a run nor refuses its resume."""
+
+    every: int = 0  # steps between rollout evaluations, and one at the end (0 = none)
+    steps: int = 20  # autoregressive steps of data.dt per rollout (20 x 6 h = 5 days)
+    inits: int = 8  # initial times of the validation split, evenly spaced
+
+    def __post_init__(self):
+        require(self.every >= 0, "every must be >= 0", "task.eval.every", "set 0 (none) or a number of steps")
+        for name in ("steps", "inits"):
+            require(getattr(self, name) > 0, f"{name} must be positive", f"task.eval.{name}", "set a positive integer")
+
+
+@dataclass
+class WeatherTaskConfig:
+    """Schema of the weather task's `task` section: its loss, rollout training and forecast evaluation."""
+
+    kind: str = "weather"  # task tag (fixed by the preset)
+    loss: str = "relative_l2"  # relative_l2 (the seed's) | mse | area_mse | weighted_mse (utils/tasks/weather_loss.py)
+    # weighted_mse: each variable's weight by WeatherBench 2 name (others 1); its levels share it by pressure
+    variable_weights: dict[str, float] = field(default_factory=lambda: dict(GRAPHCAST_WEIGHTS))
+    rollout_train_steps: int = 1  # predicted steps per training sample, the loss their mean (1 = one-step)
+    rollout_train_every: int = 0  # curriculum: K = min(rollout_train_steps, 1 + step // this) (0: K at once)
+    eval: ForecastEvalConfig = field(default_factory=ForecastEvalConfig)
+
+    def __post_init__(self):
+        require(self.kind == "weather", f"kind {self.kind!r} is not weather", "task.kind",
+                "leave kind as set by the data preset")
+        require(self.loss in LOSSES, f"unknown loss {self.loss!r}", "task.loss", "choose " + ", ".join(LOSSES))
+        bad = [name for name, weight in self.variable_weights.items() if not weight >= 0]
+        require(not bad, f"negative weight of {', '.join(bad)}", "task.variable_weights", "give weights >= 0")
+        require(self.rollout_train_steps > 0, "rollout_train_steps must be positive", "task.rollout_train_steps",
+                "set a positive integer")
+        require(self.rollout_train_every >= 0, "rollout_train_every must be >= 0", "task.rollout_train_every",
+                "set 0 or more")
 
 
 class WeatherTask:
     """ERA5 next-state regression with the ViT."""
 
-    DATA_KIND, DATA_NAME, DATA_SCHEMA = "era5", "ERA5", ERA5Config
+    DATA_KIND, DATA_NAME, TASK_SCHEMA = "era5", "ERA5", WeatherTaskConfig
+    DATA_SCHEMAS = {"era5": ERA5Config, "era5_zarr": ERA5ZarrConfig}  # data.kind -> schema (config/data/ presets)
 
     @staticmethod
     def check_config(cfg) -> None:
-        model, data, cp = cfg.model, cfg.data, cfg.parallel.cp
+        model, data, cp, task = cfg.model, cfg.data, cfg.parallel.cp, cfg.task
         p = model.patch_size
         require(data.img_size[0] % p == 0 and data.img_size[1] % p == 0,
                 f"img_size {list(data.img_size)} is not divisible by patch_size {p}", "data.img_size",
                 f"choose a crop whose sides are multiples of model.patch_size={p}")
         tokens = (data.img_size[0] // p) * (data.img_size[1] // p)
-        require(cfg.trainer.rollout_train_steps == 1 or cfg.parallel.pp == 1,
-                f"trainer.rollout_train_steps={cfg.trainer.rollout_train_steps} with parallel.pp={cfg.parallel.pp}: "
+        require(task.rollout_train_steps == 1 or cfg.parallel.pp == 1,
+                f"task.rollout_train_steps={task.rollout_train_steps} with parallel.pp={cfg.parallel.pp}: "
                 "a rollout feeds the last stage's prediction back to the first stage within one step, which the "
-                "pipeline schedules do not do", "trainer.rollout_train_steps",
+                "pipeline schedules do not do", "task.rollout_train_steps",
                 "use parallel.pp=1 (tp, cp, dp and fsdp run rollout training), or rollout_train_steps=1")
         require(tokens >= cp, f"{tokens} patches cannot be split over parallel.cp={cp}", "parallel.cp",
                 f"use parallel.cp <= {tokens} or a larger data.img_size")
@@ -47,57 +96,68 @@ class WeatherTask:
     @property
     def quality_metric(self) -> str:
         """The validation metric a run is judged by, besides val/loss."""
-        return f"val/rmse/{self.cfg.channels[0]}"
+        return f"val/rmse/{self.channels[0]}"
 
     def describe(self) -> str:
-        text = (f"{self.train_set.infos[0].path.parent.parent}: {len(self.train_set)} train / {len(self.val_set)} "
-                "valid pairs")
+        text = f"{self.train_set.reader.describe()}: {len(self.train_set)} train / {len(self.val_set)} valid pairs"
         if self.rollouts is not None:
-            text += (f"; rollouts of {self.rollout_steps} steps from {self.rollout_inits} initial times"
+            text += (f"; rollouts of {self.eval.steps} steps from {self.eval.inits} initial times"
                      + ("" if self.rollouts.climatology is not None else
                         " (no stats/time_means.npy: rollout ACC and the climatology baseline are left out)"))
         return text
 
     def summary(self, metrics: dict[str, float]) -> str:
-        first = f"val/rmse/{self.cfg.channels[0]}"
+        first = f"val/rmse/{self.channels[0]}"
         return f"val/loss={metrics['val/loss']:.4g} {first}={metrics[first]:.4g}"
 
-    def __init__(self, data: ERA5Config, model_cfg: ViTConfig, trainer=None, build=None):
+    def __init__(self, data: ERA5Config | ERA5ZarrConfig, model_cfg: ViTConfig, task: WeatherTaskConfig | None = None,
+                 build=None):
         self.cfg, self.model_cfg, self.build = data, model_cfg, build  # build: the family's (networks/spec.py)
-        self.rollout_steps, self.rollout_inits = (trainer.rollout_steps, trainer.rollout_inits) if trainer else (0, 0)
-        self.rollout_on = bool(trainer and trainer.rollout_every)
-        self.train_horizon, self.curriculum = (trainer.rollout_train_steps, trainer.rollout_train_every) \
-            if trainer else (1, 0)
+        self.settings = task or WeatherTaskConfig()
+        self.eval = self.settings.eval
+        self.rollout_every = self.eval.every  # the trainer's cadence of evaluate_rollout
+        self.train_horizon, self.curriculum = self.settings.rollout_train_steps, self.settings.rollout_train_every
+        self.channels = list(data.channels)
         self.train_set = self.val_set = self.rollouts = None
+        self.loss_weights = np.ones((len(self.channels), 1, 1), np.float32)  # without data (planner): shapes only
+        self.lat_weights = latitude_weights(data.img_size[0])  # the seed's val/rmse (rows taken as 90 to -90)
         self.baselines_logged, self.baseline_curves = False, {}
 
     def load_data(self) -> None:
-        """Find (or generate) the files and inspect them; every data error is raised here."""
+        """Open the readers of the training and validation splits; every data error is raised here."""
         data = self.cfg
-        if data.synthetic:
-            root = ensure_synthetic(Path(data.root) if data.root else None)
-        else:
-            require(bool(data.root), "no data folder given", "data.root", "set data.root=/path/to/era5 (NERSC layout)")
-            root = Path(data.root)
-            require(root.is_dir(), f"data folder {root} does not exist", "data.root", "point it at the ERA5 folder")
-        self.train_set = ERA5Dataset(root, "train", data, data.limit_nsamples, self.train_horizon)
-        self.val_set = ERA5Dataset(root, "valid", data, data.limit_nsamples_val)
-        self.lat_weights = latitude_weights(data.img_size[0])
-        if self.rollout_on:  # the initial times and their truths, checked before any distributed work
-            self.rollouts = Rollouts.of(self.val_set, root, self.rollout_steps, self.rollout_inits)
+        self.train_set = FieldPairs(data.open("train"), data.dt, data.limit_nsamples, self.train_horizon)
+        self.val_set = FieldPairs(data.open("valid"), data.dt, data.limit_nsamples_val)
+        reader = self.val_set.reader
+        if self.settings.loss != "relative_l2":
+            self.loss_weights = loss_table(self.settings.loss, reader.channels, reader.latitudes,
+                                           self.settings.variable_weights)
+        if self.rollout_every:  # the initial times and their truths, checked before any distributed work
+            self.rollouts = Rollouts.of(self.val_set, self.eval.steps, self.eval.inits)
+
+    def lead_hours(self, steps: int) -> list[int | float]:
+        """Lead times (hours, an int when whole) of a rollout's steps: data.dt steps of the data's time step."""
+        hours = self.val_set.reader.hours_per_step if self.val_set is not None else 6.0
+        leads = [(k + 1) * self.cfg.dt * hours for k in range(steps)]
+        return [int(lead) if float(lead).is_integer() else lead for lead in leads]
 
     def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Random inputs and targets of the training shapes (benchmarks)."""
-        shape = (batch_size, len(self.cfg.channels), *self.cfg.img_size)
+        shape = (batch_size, len(self.channels), *self.cfg.img_size)
         return torch.randn(shape, device=device), torch.randn(shape, device=device)
 
     @staticmethod
     def loss_is_criterion(cfg) -> bool:
         """One-step training is; rollout training feeds predictions back (refused under pp by check_config)."""
-        return cfg.trainer.rollout_train_steps == 1
+        return cfg.task.rollout_train_steps == 1
 
     def build_model(self) -> nn.Module:
-        return self.build(self.model_cfg, self)
+        """The family's model, its criterion the configured loss (the ViT's own for relative_l2): what the
+        trainer, validation and a pipeline's last stage compute."""
+        model = self.build(self.model_cfg, self)
+        if self.settings.loss != "relative_l2":
+            model.criterion = WeightedMSE(self.loss_weights)
+        return model
 
     def rollout_length(self, step: int) -> int:
         """K predicted steps per training sample at optimizer step `step`: the curriculum (a function of the
@@ -132,7 +192,7 @@ class WeatherTask:
         on the last stage's ranks, whose sums the reduction over dp x pp adds (the others add zeros)."""
         device, batch = grid.device, grid.batch
         weights = self.lat_weights.to(device)
-        sums = torch.zeros(2 + len(self.cfg.channels), dtype=torch.float64, device=device)
+        sums = torch.zeros(2 + len(self.channels), dtype=torch.float64, device=device)
         first = None
         for x, y in loader:
             x = x.to(device, non_blocking=True)
@@ -151,9 +211,9 @@ class WeatherTask:
         all_reduce_(sums, grid.metrics)
         count = sums[1].clamp_min(1)
         metrics = {"val/loss": (sums[0] / count).item()}
-        metrics.update({f"val/rmse/{c}": (sums[2 + i] / count).item() for i, c in enumerate(self.cfg.channels)})
+        metrics.update({f"val/rmse/{c}": (sums[2 + i] / count).item() for i, c in enumerate(self.channels)})
         if first is not None and batch.rank == 0 and writer.active:  # rank 0 alone draws and writes the figure
-            channel = self.cfg.channels[0]
+            channel = self.channels[0]
             writer.image(f"val/{channel}_pred_vs_target", figure_image(field_panels(*first, channel, step)), step)
         return metrics
 
@@ -163,11 +223,11 @@ class WeatherTask:
         against lead time for u10m, t2m and z500 (those the data has). Returns the model's scalars."""
         first = not self.baselines_logged
         skill = rollout_skill(model, self.rollouts, grid=grid, autocast=autocast, with_baselines=first)
-        leads = [(k + 1) * self.cfg.dt * HOURS_PER_STEP for k in range(self.rollout_steps)]
+        leads = self.lead_hours(self.eval.steps)
 
         def scalars(prefix: str, values: dict) -> dict[str, float]:
-            return {f"{prefix}/{metric}/{channel}/{lead}h": float(values[metric][k, c])
-                    for metric in values for c, channel in enumerate(self.cfg.channels)
+            return {f"{prefix}/{metric}/{channel}/{lead:g}h": float(values[metric][k, c])
+                    for metric in values for c, channel in enumerate(self.channels)
                     for k, lead in enumerate(leads) if not math.isnan(float(values[metric][k, c]))}
 
         metrics = scalars("rollout", skill["model"])
@@ -177,8 +237,8 @@ class WeatherTask:
                             for tag, value in scalars(f"baseline/{name}", skill[name]).items()}, step)
             self.baseline_curves = {name: skill[name] for name in skill if name != "model"}
         if grid.batch.rank == 0 and writer.active:
-            for channel in [c for c in SKILL_CHANNELS if c in self.cfg.channels]:
-                c = self.cfg.channels.index(channel)
+            for channel in [c for c in SKILL_CHANNELS if c in self.channels]:
+                c = self.channels.index(channel)
                 curves = {name: {m: v[:, c].tolist() for m, v in values.items()}
                           for name, values in {"model": skill["model"], **self.baseline_curves}.items()}
                 writer.image(f"rollout/skill_{channel}", figure_image(skill_panels(leads, curves, channel, step)), step)
