@@ -1,4 +1,4 @@
-"""Run facts are data: each launch writes its resolved layout as run.dir/layout.json (utils/cli/runs.py), which
+"""Run facts are data: each launch writes its resolved layout as run.dir/layout.json (checkpoints/run_dir.py), which
 tools (utils/compare/report.py) and tests read instead of log text."""
 
 from __future__ import annotations

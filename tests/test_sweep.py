@@ -34,7 +34,7 @@ def train(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedPr
 
 
 def single_run_dir(*args: str) -> Path:
-    """run.dir of `python train.py ARGS` as a single run (utils.cli.runs naming, its layout on as many ranks)."""
+    """run.dir of `python train.py ARGS` as one run (checkpoints/run_dir.py naming, its layout on as many ranks)."""
     from utils.checkpoints.run_dir import run_dir_for
     from utils.cli.config import load_config
     from utils.cli.launch import ranks_needed

@@ -9,7 +9,7 @@ against wall-clock time, throughput per run, and (when the runs differ in rank c
 ranks with ideal linear scaling from the smallest run.
 
 Everything is read from what a run leaves in its directory: config.yaml (precision), layout.json (the
-resolved layout of its last launch, utils/cli/runs.py), task.json (the metric the run is judged by: its
+resolved layout of its last launch, utils/checkpoints/run_dir.py), task.json (the metric the run is judged by: its
 column) and every TensorBoard event file (a resumed run has one per launch; the last value written for a
 step wins). Medians are over whatever points a tag has.
 Only the standard library is imported at the top, so `--help` and argument errors answer at once.
