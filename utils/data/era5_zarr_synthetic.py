@@ -38,9 +38,11 @@ def grid(num_lat: int, num_lon: int, descending: bool = False) -> tuple[np.ndarr
 
 
 def write_store(path: Path, *, shape: tuple[int, int] = (32, 64), levels: tuple[int, ...] = LEVELS,
-                num_times: int = NUM_TIMES, descending: bool = False, lon_first: bool = False, seed: int = 0) -> Path:
-    """Write the store at `path` (replaced if there) and return it. `lon_first`: each variable's dims end in
-    (longitude, latitude), as some of WB2's regridded stores."""
+                num_times: int = NUM_TIMES, descending: bool = False, lon_first: bool = False, step_hours: int = 6,
+                seed: int = 0) -> Path:
+    """Write the store at `path` (replaced if there) and return it: `num_times` times `step_hours` apart from
+    2016-01-01. `lon_first`: each variable's dims end in (longitude, latitude), as some of WB2's regridded
+    stores."""
     import xarray as xr
 
     lat, lon = grid(*shape, descending)
@@ -63,7 +65,7 @@ def write_store(path: Path, *, shape: tuple[int, int] = (32, 64), levels: tuple[
         first = len(SURFACE) + k * len(levels)
         block = np.stack([_spatial(fields[:, first + i], lon_first) for i in range(len(levels))], axis=1)
         data[variable] = (("time", "level", *spatial), block, {"units": ON_LEVELS[variable][3]})
-    times = np.datetime64("2016-01-01T00", "ns") + np.arange(num_times) * np.timedelta64(6, "h")
+    times = np.datetime64("2016-01-01T00", "ns") + np.arange(num_times) * np.timedelta64(step_hours, "h")
     coords = {"time": times, "level": np.array(levels, dtype=np.int64), "latitude": lat, "longitude": lon}
     chunks = {name: {"chunks": (1, *block.shape[1:])} for name, (_, block, _) in data.items()}  # a time per chunk
     xr.Dataset(data, coords=coords).to_zarr(path, mode="w", zarr_format=2, encoding=chunks)  # as WB2 publishes them
