@@ -42,7 +42,8 @@ CONFIG_TOOLS = ("utils.bench", "utils.plan", "utils.plan.rank", "utils.doctor")
 HELP_TOOLS = {  # module -> the module whose main(argv) `python -m module` calls
     "utils.compare": "utils.compare.report", "utils.export": "utils.export.convert",
     "utils.forecast": "utils.forecast.report", "utils.bench.attention": "utils.bench.attention",
-    "utils.bench.collectives": "utils.bench.collectives"}
+    "utils.bench.collectives": "utils.bench.collectives", "utils.data.stats": "utils.data.stats",
+    "utils.data.era5_zarr_synthetic": "utils.data.era5_zarr_synthetic"}
 # run as written (slow)
 DRY = ("python -m utils.plan.layout ", "python -m utils.plan parallel=", "python train.py --cfg")
 # Commands not run, by the start of the command: the reason.
