@@ -1,13 +1,18 @@
 """The divergence localiser: fingerprints recorded by `trainer.fingerprint_steps` (utils/engine/fingerprints.py)
 and `python -m utils.compare --diverge` (utils/compare/diverge.py).
 
-Runs of the tiny language model (2 blocks, 2 steps) through the real entry point on pooled ranks: tp2 and
-pp2 (the pipeline's path, with the tied embedding on both ends) agree with one process; a defect planted on
-one tp rank (the gradient that reaches the output of blocks.0.mlp.fc1 scaled by 1.5 on rank 1, so every
-parameter from fc1 back to the input parts, fc2 and the later blocks not) is found at step 1, in the
-gradient pass, in module blocks.0.mlp.fc1: the scan in backward order stops there, where a scan in
-definition order would blame the embedding; and a run with another learning rate parts at step 1's
-update, not its gradient, in the last module defined (the final norm).
+Runs of the tiny language model (2 blocks, 2 steps) through the real entry point on pooled ranks: tp2 (the
+outputs of attention and MLP copies on both ranks), tp2 with sequence parallelism and activation checkpointing
+(token shards, recomputed forwards), cp2 (the ring's token shards), dp2 with accumulation (batch shards, the
+loss normalised per rank and micro-batch) and pp2 (the pipeline's path, with the tied embedding on both ends)
+agree with one process, activations and output gradients included; a defect planted in a backward on one tp
+rank (the gradient that reaches the output of blocks.0.mlp.fc1 scaled by 1.5 on rank 1, so every parameter
+from fc1 back to the input parts, fc2 and the later blocks not) is found at step 1, in the gradient pass, in
+module blocks.0.mlp.fc1: the scan in backward order stops there, where a scan in definition order would
+blame the embedding; a defect planted in a forward on one tp rank (rank 1's heads of the attention core of
+blocks.1 scaled by 1.5) is found in the forward pass at blocks.1.attn.attend, where the parameter gradients
+alone could only name the last module; and a run with another learning rate parts at step 1's update, not
+its gradient, in the last module defined (the final norm).
 """
 
 from __future__ import annotations
@@ -26,13 +31,17 @@ from utils.engine.fingerprints import merge
 
 ARGS = [*TINY_GPT, *NARROW, *QUIET, "model.depth=2", "trainer.max_steps=2", "trainer.global_batch_size=8",
         "data.limit_eval_tokens=1024", "trainer.fingerprint_steps=2"]
-LAYOUTS = {"single": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "planted": ["parallel.tp=2"],
-           "lr": ["optim.lr=3e-3"]}
+LAYOUTS = {"single": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
+           "tp2_sp_ac": ["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.activation_checkpointing=true"],
+           "dp2_accum2": ["parallel.dp=2", "trainer.grad_accum_steps=2"],
+           "planted": ["parallel.tp=2"], "planted_forward": ["parallel.tp=2"], "lr": ["optim.lr=3e-3"]}
 PLANTED = "blocks.0.mlp.fc2"  # its input's gradient is scaled on tp rank 1: fc1 and everything before it part
+PLANTED_FORWARD = "blocks.1.attn.attend"  # its output (rank 1's heads) is scaled on tp rank 1
 
 
-def planted_entry(rank: int, world: int, argv: list[str]) -> int:
-    """The entry point on a pooled rank, with the defect planted on rank 1 (undone before the rank's next case)."""
+def planted_entry(rank: int, world: int, argv: list[str], forward: bool = False) -> int:
+    """The entry point on a pooled rank, with the defect planted on rank 1 (undone before the rank's next case):
+    in the backward of PLANTED, or with `forward` in the forward of PLANTED_FORWARD."""
     from tests.rank_pool import _entry
     from utils.engine.trainer import Trainer
 
@@ -43,7 +52,9 @@ def planted_entry(rank: int, world: int, argv: list[str]) -> int:
             args[0].register_hook(lambda grad: grad * 1.5)
 
     def planted_fit(self):
-        if self.grid.global_rank == 1:
+        if self.grid.global_rank == 1 and forward:
+            self.raw_model.get_submodule(PLANTED_FORWARD).register_forward_hook(lambda m, a, out: out * 1.5)
+        elif self.grid.global_rank == 1:
             self.raw_model.get_submodule(PLANTED).register_forward_pre_hook(scale_input_grad)
         return fit(self)
 
@@ -63,8 +74,8 @@ def runs(tmp_path_factory, corpus_root):
         if name not in done:
             argv = [*ARGS, f"data.root={corpus_root}", f"run.dir={root / name}", *LAYOUTS[name]]
             world = 1 if name in ("single", "lr") else 2
-            results = (pool().run(planted_entry, world, argv, timeout_s=180) if name == "planted"
-                       else run_entry_ranks(argv, world))
+            results = (pool().run(planted_entry, world, argv, name == "planted_forward", timeout_s=180)
+                       if name.startswith("planted") else run_entry_ranks(argv, world))
             assert [r.value for r in results] == [0] * world, results[0].error or results[0].stderr[-3000:]
             done[name] = root / name
         return done[name]
@@ -73,11 +84,13 @@ def runs(tmp_path_factory, corpus_root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp_ac", "cp2", "dp2_accum2", "pp2"])
 def test_a_layout_agrees_with_one_process(layout, runs, capsys):
     single, other = runs("single"), runs(layout)
     recorded = json.loads((other / "fingerprints.json").read_text())
     assert sorted(recorded["steps"]) == ["1", "2"] and "tok_embed.weight" in recorded["order"]
+    assert recorded["modules"] == json.loads((single / "fingerprints.json").read_text())["modules"]
+    assert {"blocks.1.attn.attend", "blocks.0.mlp", "lm_head"} <= set(recorded["steps"]["2"]["out_grad"])
     assert first_divergence(single, other, 1e-4) is None
     assert compare_main(["--diverge", str(single), str(other)]) == 0
     assert "no divergence over 2 steps" in capsys.readouterr().out
@@ -90,7 +103,14 @@ def test_a_defect_on_one_tp_rank_is_found_in_its_module(runs, capsys):
     assert compare_main(["--diverge", str(runs("single")), str(runs("planted"))]) == 1
     out = capsys.readouterr().out
     assert f"first divergence: {expected}" in out
-    assert "step 1 gradient: 12 of 28 parameters part" in out  # fc1 and the 10 before it, the embedding's 2
+    assert "step 1 forward: agree" in out and "step 1 gradient: 12 of 28 part" in out  # fc1, the 10 before it, 2
+    # of the embedding
+
+
+@pytest.mark.slow
+def test_a_forward_defect_on_one_tp_rank_is_found_in_its_module(runs):
+    expected = "step 1, forward pass, module blocks.1.attn.attend"
+    assert first_divergence(runs("single"), runs("planted_forward"), 1e-4) == expected
 
 
 @pytest.mark.slow

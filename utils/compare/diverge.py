@@ -3,11 +3,19 @@
 Reads the `fingerprints.json` both runs wrote (`trainer.fingerprint_steps=N`, utils/engine/fingerprints.py:
 per parameter and step, [sum, sum of squares, sum of |x|] of the full gradient before clipping and of the
 update u, and for the update also [sum of u*g, sum of |u*g|] with its gradient g) and scans them in the
-order a defect shows: step by step, in each step the gradient before the update, and in each pass the
-parameters in backward order (the reverse of their definition order, as the backward computes them: a
-defect's error appears first near the output and flows to the input from there). The first parameter
-whose statistics differ beyond the relative tolerance is the first divergence; its module is its name
-without the last component.
+order a defect shows: step by step, and in each step the passes in the order the step computes them: the
+forward outputs of the model's parts in definition order (a defect in a forward shows first at the module
+that has it and flows to the output from there), the parameters' gradients in backward order (the reverse:
+a defect in a backward shows first at the parameters of the module that has it), the gradients arriving at
+the parts' outputs in backward order (they show a backward defect one module early, at the output feeding
+the module that has it, so they come after the parameters), then the updates. The first module (or
+parameter) whose statistics differ beyond the relative tolerance is the first divergence; a parameter's
+module is its name without the last component. Runs recorded without activations (under compile, or by
+an older version) are scanned over their parameters only.
+
+The output gradients carry each layout's loss normalisation (a dp rank's loss is its own batch's mean), one
+factor per step: they are divided by the sum of |x| of the step's last recorded output gradient (the
+model's output: the first the backward computes) before they are compared.
 
 A statistic's deviation is |a - b| over its scale: for the sum of squares and of |x|, the larger of the
 two; for the sum, the larger sum of |x| (a sum that cancels to near zero is only as exact as the values
@@ -34,7 +42,8 @@ from pathlib import Path
 from utils import ConfigError, exit_bad_input, require
 
 FILE = "fingerprints.json"  # utils/engine/fingerprints.py FILE (not imported: this tool loads no torch)
-PASSES = {"grad": "gradient", "update": "update"}  # in the order a step computes them
+PASSES = {"forward": "forward", "grad": "gradient", "out_grad": "output-gradient", "update": "update"}  # scan order
+ACTIVATIONS = ("forward", "out_grad")  # by module (utils/engine/fingerprints.py ActivationRecorder)
 RTOL = {"fp32": 1e-4, "tf32": 8 * 2.0**-11, "bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
 STATS = ("sum", "sumsq", "abssum", "sum u*g", "sum |u*g|")
 SHOWN = 8  # parameters listed for the pass that parts
@@ -53,10 +62,11 @@ class Finding:
 
     @property
     def module(self) -> str:
-        return self.name.rpartition(".")[0] or self.name
+        return self.name if self.kind in ACTIVATIONS else self.name.rpartition(".")[0] or self.name
 
     def where(self) -> str:
-        return f"step {self.step}, {PASSES[self.kind]} pass, module {self.module} (parameter {self.name})"
+        tail = "" if self.kind in ACTIVATIONS else f" (parameter {self.name})"
+        return f"step {self.step}, {PASSES[self.kind]} pass, module {self.module}{tail}"
 
     def line(self) -> str:
         values = "  ".join(f"{s} {x:.6g} vs {y:.6g}" for s, x, y in zip(STATS, self.a, self.b))
@@ -104,15 +114,37 @@ def check_comparable(fa: dict, fb: dict) -> list[int]:
     return steps
 
 
+def normalised(stats: dict[str, list[float]], modules: list[str]) -> dict[str, list[float]]:
+    """Output-gradient statistics divided by the last recorded module's sum of |x| (the step's one factor)."""
+    last = next((m for m in reversed(modules) if m in stats), None)
+    scale = stats[last][2] if last is not None and stats[last][2] > 0 else 1.0
+    return {name: [row[0] / scale, row[1] / scale**2, row[2] / scale] for name, row in stats.items()}
+
+
+def pass_values(f: dict, step: int, kind: str) -> dict[str, list[float]]:
+    values = f["steps"][str(step)][kind]
+    return normalised(values, f["modules"]) if kind == "out_grad" else values
+
+
+def scan_order(fa: dict, fb: dict) -> dict[str, list[str]]:
+    """The names each pass compares, in the order it is scanned; no activation pass unless both recorded it."""
+    backward = list(reversed(fa["order"]))
+    names = {"grad": backward, "update": backward}
+    if "modules" in fa and "modules" in fb and set(fa["modules"]) == set(fb["modules"]):
+        names |= {"forward": fa["modules"], "out_grad": list(reversed(fa["modules"]))}
+    return {kind: names[kind] for kind in PASSES if kind in names}
+
+
 def scan(fa: dict, fb: dict, rtol: float) -> list[tuple[int, str, list[Finding], tuple[float, str]]]:
-    """(step, pass, findings in backward order, (worst deviation, its parameter)) of each pass, in order,
-    up to and including the first that has findings."""
-    steps, backward = check_comparable(fa, fb), list(reversed(fa["order"]))
+    """(step, pass, findings in scan order, (worst deviation, its module or parameter)) of each pass, in
+    order, up to and including the first that has findings."""
+    steps, order = check_comparable(fa, fb), scan_order(fa, fb)
     passes = []
     for step in steps:
-        for kind in PASSES:
-            a, b = fa["steps"][str(step)][kind], fb["steps"][str(step)][kind]
-            deviations = [(deviation(a[name], b[name]), name) for name in backward]
+        for kind, names in order.items():
+            a, b = pass_values(fa, step, kind), pass_values(fb, step, kind)
+            names = [n for n in names if n in a and n in b]  # an output without a gradient has none recorded
+            deviations = [(deviation(a[name], b[name]), name) for name in names]
             findings = [Finding(step, kind, name, d, a[name], b[name]) for d, name in deviations if not d <= rtol]
             passes.append((step, kind, findings, max(deviations, default=(0.0, ""))))
             if findings:
@@ -137,9 +169,12 @@ def report(run_a: str, run_b: str, rtol: float | None) -> int:
     except ConfigError as err:
         exit_bad_input(err)
     print(f"A: {run_a} ({fa['layout']}, {fa['precision']})\nB: {run_b} ({fb['layout']}, {fb['precision']})")
-    print(f"relative tolerance {bound:.1e}, {len(fa['order'])} parameters scanned in backward order")
+    order = scan_order(fa, fb)
+    modules = f"{len(order['forward'])} modules' outputs and " if "forward" in order else "no activations (not both "
+    modules += "" if "forward" in order else "recorded them), "
+    print(f"relative tolerance {bound:.1e}, {modules}{len(fa['order'])} parameters")
     for step, kind, findings, (worst, name) in passes:
-        verdict = f"{len(findings)} of {len(fa['order'])} parameters part" if findings else "agree"
+        verdict = f"{len(findings)} of {len(order[kind])} part" if findings else "agree"
         print(f"step {step} {PASSES[kind]}: {verdict} (largest deviation {worst:.2e}, {name})")
         for finding in findings[:SHOWN]:
             print(finding.line())
@@ -147,7 +182,7 @@ def report(run_a: str, run_b: str, rtol: float | None) -> int:
             print(f"  ... and {len(findings) - SHOWN} more")
     findings = passes[-1][2] if passes else []
     if not findings:
-        print(f"no divergence over {len(passes) // len(PASSES)} steps")
+        print(f"no divergence over {len(passes) // len(order)} steps")
         return 0
     print(f"first divergence: {findings[0].where()}, deviation {findings[0].deviation:.2e} > {bound:.1e}")
     return 1

@@ -20,7 +20,7 @@ from utils.checkpoints.checkpointer import Checkpointer
 from utils.checkpoints.sharded_state import View, checkpoint_view, read_shapes
 from utils.comm import Grid
 from utils.data.batching import Loaders, SharedBatches
-from utils.engine.fingerprints import fingerprinted
+from utils.engine.fingerprints import fingerprinted, recording
 from utils.engine.flops import mfu, tflops_per_device
 from utils.engine.logger import Progress, TensorBoard
 from utils.engine.memory import MemoryLedger, host_peak_gib, peak_memory_gib
@@ -120,7 +120,7 @@ class Trainer:
         rank (`self.skipped` says so); the fp16 scaler keeps its own skip logic. `self.flags[1]`: some
         rank had `stop_requested` (a stop signal) when the step began. The lr used is `self.current_lr()`.
         """
-        with record_function("forward_backward"):  # named ranges in profiles (utils/engine/profiling.py)
+        with record_function("forward_backward"), recording(self, self.step + 1):  # profiles' ranges; fingerprints
             if self.pipeline is not None:
                 total = self.pipeline.train_step(inputs, targets, self.tc.grad_accum_steps, self.scaler.scale)
             else:
