@@ -17,6 +17,7 @@ from utils.tasks.spectra import (
     circumference,
     lead_spectra,
     resolved_top,
+    spectra_sums,
     zonal_energy_spectrum,
 )
 
@@ -116,3 +117,12 @@ def test_a_smoothed_forecast_is_blurred_and_the_truth_is_not():
     blurred = blurring(lead_spectra(smooth, LAT), want)
     assert blurred.shape == (2, 3) and (blurred < 0.3).all()
     assert (blurring(lead_spectra(truth + 0.5 * torch.randn_like(truth), LAT), want) > 1).all()
+
+
+def test_spectra_sums_add_over_ranks_and_leave_padding_out():
+    """Two ranks' sums of their initial times, one padded with a repeat, add up to the one-process mean."""
+    fields = torch.randn(5, 2, 3, len(LAT), 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    padded = torch.cat([fields[3:], fields[3:4]])
+    counted = torch.tensor([True, True, False])
+    total = spectra_sums(fields[:3], LAT) + spectra_sums(padded, LAT, counted)
+    torch.testing.assert_close(total / 5, lead_spectra(fields, LAT), rtol=1e-12, atol=0)

@@ -64,10 +64,19 @@ def band_mean(spectra: torch.Tensor, latitudes, band: tuple[float, float] = BAND
     return spectra[..., band_rows(latitudes, band).to(spectra.device), :].mean(dim=-2)
 
 
+def spectra_sums(fields: torch.Tensor, latitudes, counted: torch.Tensor | None = None,
+                 band: tuple[float, float] = BAND) -> torch.Tensor:
+    """Band-mean spectra of fields (B, ..., H, W) summed over the initial times B: (..., W // 2 + 1) float64, to be
+    added over ranks (each holding some initial times) and divided by their count. `counted` (B,) bool leaves out
+    padding samples."""
+    spectra = band_mean(zonal_energy_spectrum(fields, latitudes), latitudes, band)
+    return (spectra if counted is None else spectra[counted]).sum(dim=0)
+
+
 def lead_spectra(fields: torch.Tensor, latitudes, band: tuple[float, float] = BAND) -> torch.Tensor:
     """Spectra of forecasts or truths (B, K, C, H, W) (initial times, leads, channels) averaged over the initial
     times and the band's rows: (K, C, W // 2 + 1) float64."""
-    return band_mean(zonal_energy_spectrum(fields, latitudes).mean(dim=0), latitudes, band)
+    return spectra_sums(fields, latitudes, band=band) / fields.shape[0]
 
 
 def resolved_top(truth_spectra: torch.Tensor, top: float = TOP) -> torch.Tensor:
