@@ -11,7 +11,8 @@ from fc1 back to the input parts, fc2 and the later blocks not) is found at step
 module blocks.0.mlp.fc1: the scan in backward order stops there, where a scan in definition order would
 blame the embedding; a defect planted in a forward on one tp rank (rank 1's heads of the attention core of
 blocks.1 scaled by 1.5) is found in the forward pass at blocks.1.attn.attend, where the parameter gradients
-alone could only name the last module; and a run with another learning rate parts at step 1's update, not
+alone could only name the last module; a dp replica whose reduced gradient of the final norm is changed after
+the reduction is found there and named (rank 1); and a run with another learning rate parts at step 1's update, not
 its gradient, in the last module defined (the final norm).
 """
 
@@ -34,18 +35,26 @@ ARGS = [*TINY_GPT, *NARROW, *QUIET, "model.depth=2", "trainer.max_steps=2", "tra
 LAYOUTS = {"single": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
            "tp2_sp_ac": ["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.activation_checkpointing=true"],
            "dp2_accum2": ["parallel.dp=2", "trainer.grad_accum_steps=2"],
-           "planted": ["parallel.tp=2"], "planted_forward": ["parallel.tp=2"], "lr": ["optim.lr=3e-3"]}
+           "planted": ["parallel.tp=2"], "planted_forward": ["parallel.tp=2"], "planted_replica": ["parallel.dp=2"],
+           "lr": ["optim.lr=3e-3"]}
 PLANTED = "blocks.0.mlp.fc2"  # its input's gradient is scaled on tp rank 1: fc1 and everything before it part
 PLANTED_FORWARD = "blocks.1.attn.attend"  # its output (rank 1's heads) is scaled on tp rank 1
 
 
-def planted_entry(rank: int, world: int, argv: list[str], forward: bool = False) -> int:
+def planted_entry(rank: int, world: int, argv: list[str], where: str) -> int:
     """The entry point on a pooled rank, with the defect planted on rank 1 (undone before the rank's next case):
-    in the backward of PLANTED, or with `forward` in the forward of PLANTED_FORWARD."""
+    in the backward of PLANTED, in the forward of PLANTED_FORWARD, or in rank 1's copy of the final norm's
+    reduced gradient (a dp replica)."""
     from tests.rank_pool import _entry
     from utils.engine.trainer import Trainer
 
-    fit = Trainer.fit
+    fit, finish_grads = Trainer.fit, Trainer.finish_grads
+    forward = where == "planted_forward"
+
+    def replica_finish_grads(self):
+        finish_grads(self)
+        if self.grid.global_rank == 1:
+            self.raw_model.get_parameter("norm.weight").grad.mul_(1.5)
 
     def scale_input_grad(module, args) -> None:
         if args[0].requires_grad:
@@ -59,10 +68,12 @@ def planted_entry(rank: int, world: int, argv: list[str], forward: bool = False)
         return fit(self)
 
     Trainer.fit = planted_fit
+    if where == "planted_replica":
+        Trainer.fit, Trainer.finish_grads = fit, replica_finish_grads
     try:
         return _entry(rank, world, argv)
     finally:
-        Trainer.fit = fit
+        Trainer.fit, Trainer.finish_grads = fit, finish_grads
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +85,7 @@ def runs(tmp_path_factory, corpus_root):
         if name not in done:
             argv = [*ARGS, f"data.root={corpus_root}", f"run.dir={root / name}", *LAYOUTS[name]]
             world = 1 if name in ("single", "lr") else 2
-            results = (pool().run(planted_entry, world, argv, name == "planted_forward", timeout_s=180)
+            results = (pool().run(planted_entry, world, argv, name, timeout_s=180)
                        if name.startswith("planted") else run_entry_ranks(argv, world))
             assert [r.value for r in results] == [0] * world, results[0].error or results[0].stderr[-3000:]
             done[name] = root / name
@@ -111,6 +122,15 @@ def test_a_defect_on_one_tp_rank_is_found_in_its_module(runs, capsys):
 def test_a_forward_defect_on_one_tp_rank_is_found_in_its_module(runs):
     expected = "step 1, forward pass, module blocks.1.attn.attend"
     assert first_divergence(runs("single"), runs("planted_forward"), 1e-4) == expected
+
+
+@pytest.mark.slow
+def test_a_dp_replica_that_parts_is_named(runs):
+    recorded = json.loads((runs("planted_replica") / "fingerprints.json").read_text())
+    assert recorded["steps"]["1"]["replicas"]["grad"] == {"norm.weight": [1]}
+    assert "replicas" not in json.loads((runs("tp2") / "fingerprints.json").read_text())["steps"]["1"]
+    expected = "step 1, gradient pass, module norm (parameter norm.weight), on rank 1 of B"
+    assert first_divergence(runs("single"), runs("planted_replica"), 1e-4) == expected
 
 
 @pytest.mark.slow

@@ -64,9 +64,11 @@ class Finding:
     def module(self) -> str:
         return self.name if self.kind in ACTIVATIONS else self.name.rpartition(".")[0] or self.name
 
+    ranks: str = ""  # the ranks whose copies of the parameter part from their replicas, by run
+
     def where(self) -> str:
         tail = "" if self.kind in ACTIVATIONS else f" (parameter {self.name})"
-        return f"step {self.step}, {PASSES[self.kind]} pass, module {self.module}{tail}"
+        return f"step {self.step}, {PASSES[self.kind]} pass, module {self.module}{tail}{self.ranks}"
 
     def line(self) -> str:
         values = "  ".join(f"{s} {x:.6g} vs {y:.6g}" for s, x, y in zip(STATS, self.a, self.b))
@@ -126,6 +128,17 @@ def pass_values(f: dict, step: int, kind: str) -> dict[str, list[float]]:
     return normalised(values, f["modules"]) if kind == "out_grad" else values
 
 
+def parted_ranks(fa: dict, fb: dict, step: int, kind: str, name: str) -> str:
+    """', on rank 1 of B' where a run's copies of a parameter part from their replicas at this pass (the
+    rank where that run went its own way), else ''."""
+    said = []
+    for label, f in (("A", fa), ("B", fb)):
+        ranks = f["steps"][str(step)].get("replicas", {}).get(kind, {}).get(name)
+        if ranks:
+            said.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {label}")
+    return f", on {' and '.join(said)}" if said else ""
+
+
 def scan_order(fa: dict, fb: dict) -> dict[str, list[str]]:
     """The names each pass compares, in the order it is scanned; no activation pass unless both recorded it."""
     backward = list(reversed(fa["order"]))
@@ -145,7 +158,10 @@ def scan(fa: dict, fb: dict, rtol: float) -> list[tuple[int, str, list[Finding],
             a, b = pass_values(fa, step, kind), pass_values(fb, step, kind)
             names = [n for n in names if n in a and n in b]  # an output without a gradient has none recorded
             deviations = [(deviation(a[name], b[name]), name) for name in names]
-            findings = [Finding(step, kind, name, d, a[name], b[name]) for d, name in deviations if not d <= rtol]
+            # a rank whose copy parts from its replicas is a divergence even where the copy counted agrees
+            ranks = {name: parted_ranks(fa, fb, step, kind, name) for _, name in deviations}
+            findings = [Finding(step, kind, name, d, a[name], b[name], ranks[name])
+                        for d, name in deviations if not d <= rtol or ranks[name]]
             passes.append((step, kind, findings, max(deviations, default=(0.0, ""))))
             if findings:
                 return passes
@@ -184,5 +200,7 @@ def report(run_a: str, run_b: str, rtol: float | None) -> int:
     if not findings:
         print(f"no divergence over {len(passes) // len(order)} steps")
         return 0
-    print(f"first divergence: {findings[0].where()}, deviation {findings[0].deviation:.2e} > {bound:.1e}")
+    first = findings[0]
+    versus = "> " if first.deviation > bound else "<= "  # a replica that parts, where the copy counted agrees
+    print(f"first divergence: {first.where()}, deviation {first.deviation:.2e} {versus}{bound:.1e}")
     return 1

@@ -29,8 +29,10 @@ Each of those outputs is whole in every layout (a row-parallel layer reduces ins
 part of it (a tp shard of features or heads, a cp or sp shard of tokens, a dp shard of the batch) or a copy (tp
 without sp); rank 0 adds the parts and counts identical copies once: the statistics of the single-process
 tensor. The file then also holds "modules": [names in definition order] and, per step, "forward" and "out_grad":
-{module: [sum, sumsq, abssum]}. The gradients carry the loss normalisation of the layout (a dp rank's loss is
-its own batch's mean), one factor for the whole step, which `python -m utils.compare --diverge` divides out.
+{module: [sum, sumsq, abssum]}. The output gradients carry the loss normalisation of the layout (a dp rank's
+loss is its own batch's mean), one factor for the whole step, which `python -m utils.compare --diverge`
+divides out. Copies of a parameter's box on several ranks must agree bitwise; a step where some do not also
+holds "replicas": {pass: {parameter: [the ranks that part from the lowest rank holding it]}}.
 """
 
 from __future__ import annotations
@@ -247,9 +249,28 @@ def merge(entries: list[list[Entry]]) -> tuple[dict[str, dict[str, list[float]]]
     return totals, sorted(where, key=where.__getitem__)
 
 
+def disagreeing_replicas(entries: list[list[Entry]]) -> dict[str, dict[str, list[int]]]:
+    """{pass: {parameter: [ranks]}}: the ranks whose copy of a box (a dp or cp replica, a tp rank's copy of a
+    norm) has statistics other than the lowest rank holding it. Copies are reduced or computed alike, so
+    they agree bitwise; a rank that parts from its replicas is named (empty when all agree)."""
+    first: dict[tuple, dict] = {}
+    parted: dict[str, dict[str, list[int]]] = {}
+    for rank, rank_entries in enumerate(entries):
+        for name, offsets, shape, _, stats in rank_entries:
+            box = (name, tuple(offsets), tuple(shape))
+            reference = first.setdefault(box, stats)
+            for kind in PASSES:
+                if reference is not stats and list(stats[kind]) != list(reference[kind]):
+                    ranks = parted.setdefault(kind, {}).setdefault(name, [])
+                    ranks.extend([] if rank in ranks else [rank])
+    return parted
+
+
 def write_step(path: Path, step: int, entries: list[list[Entry]], precision: str, layout: str) -> None:
     """Add `step` to `path` (a new file at step 1, or when none exists), atomically."""
     totals, order = merge([rank["params"] for rank in entries])
+    replicas = disagreeing_replicas([rank["params"] for rank in entries])
+    totals |= {"replicas": replicas} if replicas else {}
     record = {"precision": precision, "layout": layout, "order": order, "steps": {}}
     if entries[0]["acts"] is not None:
         activations, record["modules"] = merge_activations([rank["acts"] for rank in entries])
