@@ -233,7 +233,7 @@ def test_the_forecast_command_reads_a_checkpoint_of_another_layout(era5_root, tm
     assert table[("t2m", 18, "persistence")] == pytest.approx(logged["baseline/persistence/rmse/t2m/18h"], rel=1e-5)
     channels = ("u10m", "t2m", "z500")
     assert {p.name for p in out.glob("*.png")} == {f"{kind}_{c}{lead}.png" for c in channels
-                                                   for kind, lead in (("skill", ""), ("map", "_6h"))}
+                                                   for kind, lead in (("skill", ""), ("map", "_6h"), ("spectra", ""))}
     at = tmp_path / "at"  # initial times given by their indices in the validation split
     assert main([str(step), "--steps", "3", "--init", "0,5", "--out", str(at), f"data.root={era5_root}"]) == 0
     with h5py.File(at / "forecast.h5") as f:

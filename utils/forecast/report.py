@@ -11,6 +11,13 @@ data.dt (utils/tasks/forecast.py, WeatherBench 2's definitions), and DIR receive
     metrics.md/.csv  RMSE, ACC and bias per channel and lead: the model, persistence and climatology
     skill_<channel>.png   RMSE and ACC against lead time (u10m, t2m, z500: those the data has)
     map_<channel>_<lead>h.png   prediction, truth and error of the first initial time at `--map-leads`
+    spectra.csv, spectra_<channel>.png   zonal energy spectra of forecast and truth and the blurring figure
+                     (utils/tasks/spectra.py; outputs.py)
+    ensemble.md/.csv, rank_histogram.csv   with `--members M`: M rollouts from perturbed initial states
+                     (`--perturbation-std`, `--perturbation-length`, `--seed`) scored against the control forecast
+                     by CRPS, spread-skill and rank histograms (utils/tasks/ensemble.py; members.py)
+    --output PATH    with `--output forecast.zarr` (or .nc; a relative path lies in DIR): the forecast, its truth
+                     and the members in WeatherBench 2's layout (dataset.py), for xarray and WB2's evaluation
 
 Bad input (not a complete checkpoint, a run of the language model, a rollout longer than the data): one line,
 exit 2.
@@ -37,6 +44,15 @@ def parse_args(argv: list[str] | None):
                              "indices in the split, comma-separated (e.g. 0,12,24)")
     parser.add_argument("--map-leads", type=int, nargs="*", default=[1, 4], help="steps whose maps are drawn")
     parser.add_argument("--out", type=Path, required=True, help="folder for the files, tables and figures")
+    parser.add_argument("--output", type=Path, help="a .zarr or .nc path for the forecast in WeatherBench 2's "
+                        "layout (relative: in --out)")
+    parser.add_argument("--members", type=int, default=0, help="ensemble members from perturbed initial states "
+                        "(0: none, else 2 or more)")
+    parser.add_argument("--perturbation-std", type=float, default=0.05,
+                        help="std of the initial perturbations in normalised units (default 0.05)")
+    parser.add_argument("--perturbation-length", type=float, default=2.0,
+                        help="their correlation length, grid points (std of the Gaussian smoothing; default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the perturbations (default 0)")
     parser.add_argument("data", nargs="*", help="data.key=value settings over the run's (e.g. data.root=PATH)")
     return parser.parse_intermixed_args(argv)
 
@@ -72,7 +88,39 @@ def forecast(args) -> dict:
     kept: list = []
     skill = rollout_skill(model, task.rollouts, grid=Grid.serial(), autocast=contextlib.nullcontext,
                           with_baselines=True, keep=kept)
-    return {"skill": skill, "forecasts": kept[0], "truths": kept[1], "task": task}
+    members = ensemble(args, model, task.rollouts)
+    return {"skill": skill, "forecasts": kept[0], "truths": kept[1], "task": task, "members": members}
+
+
+def check_ensemble(args) -> None:
+    require(args.members == 0 or args.members >= 2, f"--members {args.members}: an ensemble needs 2 members or more "
+            "(the fair CRPS)", "--members", "give 0 (no ensemble) or 2 or more")
+    require(args.perturbation_std >= 0 and args.perturbation_length >= 0 and args.seed >= 0,
+            "negative perturbation std, length or seed", "--perturbation-std/--perturbation-length/--seed",
+            "give values >= 0")
+
+
+def ensemble(args, model, rollouts):
+    """The members' forecasts (M, B, K, C, H, W) with --members M, else None."""
+    from utils.forecast.members import run_members
+
+    if not args.members:
+        return None
+    return run_members(model, rollouts, args.members, args.perturbation_std, args.perturbation_length, args.seed)
+
+
+def write_more(args, result: dict, leads: list[float], drawn: list[str]) -> list[Path]:
+    """Spectra, the ensemble's tables and the WeatherBench 2 dataset (outputs.py)."""
+    from utils.forecast import outputs
+
+    step = int(args.checkpoint.name.rpartition("_")[2])
+    written, result["blurring"] = outputs.write_spectra(args.out, result, leads, step, drawn)
+    if result["members"] is not None:
+        paths, result["ensemble"] = outputs.write_ensemble(args.out, result, leads)
+        written += paths
+    if args.output:
+        written.append(outputs.write_dataset(args.out / args.output, result, leads, args.checkpoint))
+    return written
 
 
 def write_outputs(args, result: dict) -> list[Path]:
@@ -111,12 +159,13 @@ def write_outputs(args, result: dict) -> list[Path]:
             field_panels(pred, truth, f"{channel} at {leads[lead - 1]} h", int(args.checkpoint.name.rpartition("_")[2]),
                          units="physical units", sample="first initial time").savefig(path)
             written.append(path)
-    return written
+    return written + write_more(args, result, leads, [c for c in SKILL_CHANNELS if c in channels])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_ensemble(args)
         result = forecast(args)
         written = write_outputs(args, result)
     except ConfigError as err:
@@ -125,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     rollouts = len(result["task"].rollouts.starts)
     print(f"wrote {len(written)} files to {args.out}: {rollouts} rollouts of {args.steps} steps; "
           f"{result['task'].cfg.channels[0]} RMSE {float(skill['rmse'][0, 0]):.4g} at the first lead, "
-          f"{float(skill['rmse'][-1, 0]):.4g} at the last")
+          f"{float(skill['rmse'][-1, 0]):.4g} at the last, blurring {float(result['blurring'][-1, 0]):.3g}")
+    if result["members"] is not None:
+        scores = result["ensemble"]
+        print(f"{len(result['members'])} members: CRPS {float(scores['crps'][-1, 0]):.4g} (control "
+              f"{float(scores['crps_control'][-1, 0]):.4g}), spread/skill {float(scores['spread_skill'][-1, 0]):.3g} "
+              "at the last lead")
     return 0
 
 
