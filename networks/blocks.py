@@ -11,6 +11,10 @@ the plan of `Block`). What a declared attention module provides (`AttentionModul
   (kind 'output') where per-token outputs are complete and a model needs every token again.
 - `Attention.positions`: None, or (context parallelism) an object whose `local_positions` are the
   global positions of the tokens this rank holds; rotary embeddings read them.
+
+Generation (utils/tasks/sampling.py) passes a `DecodeStep` to the forward: each row's token positions, which
+keys each new token may attend (padding and the future masked) and the layer's `KVCache`. Training never
+does, and its path is the one without it.
 """
 
 from __future__ import annotations
@@ -91,6 +95,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.to(x.dtype)
 
 
+class KVCache:
+    """Keys and values (B, kv_heads, T, head_dim) of the tokens one attention layer has seen, grown by each step."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached keys and values followed by `k`, `v` (the new tokens'), kept for the next step."""
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+@dataclass
+class DecodeStep:
+    """What one generation forward gives a layer besides its input (N new tokens, T keys in all)."""
+
+    positions: torch.Tensor  # (B, N) int64: each new token's position in its own text (padding not counted)
+    mask: torch.Tensor  # (B, 1, N, T) bool: the keys each new token attends (earlier real tokens and itself)
+    cache: KVCache | None = None  # this layer's keys and values of the earlier tokens (None: N = T, no cache)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with one fused QKV projection and an output projection; grouped-query
     attention (GQA, Ainslie et al. 2023) when `num_kv_heads` < `num_heads`.
@@ -130,17 +157,29 @@ class Attention(nn.Module):
         if self.rotary:
             self.rotary_cos, self.rotary_sin = self.rotary_spec.tables(self.head_dim, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: DecodeStep | None = None) -> torch.Tensor:
         r = self.q_per_group
         qkv = self.qkv(x).unflatten(-1, (-1, r + 2, self.head_dim))  # (B, N, groups_local, r + 2, hd)
         q = qkv[..., :r, :].flatten(2, 3).transpose(1, 2)  # (B, groups_local * r, N, hd)
         k, v = (qkv[..., i, :].transpose(1, 2) for i in (r, r + 1))  # (B, groups_local, N, hd)
+        if step is not None:
+            return self.proj(self._decode(q, k, v, step).transpose(1, 2).flatten(2))  # (B, N, C)
         if self.rotary:
             index = slice(0, q.shape[-2]) if self.positions is None else self.positions.local_positions
             cos, sin = self.rotary_cos[index], self.rotary_sin[index]  # (N, head_dim/2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.attend(q, k, v)  # (B, h, N, hd)
         return self.proj(y.transpose(1, 2).flatten(2))  # (B, N, C)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """Generation's attention core: rotary at each row's own positions, the cache's keys before the new ones,
+        the step's mask in place of the causal flag (the same softmax attention as `attend`, in one process)."""
+        if self.rotary:
+            cos, sin = (table[step.positions][:, None] for table in (self.rotary_cos, self.rotary_sin))  # (B,1,N,d/2)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if step.cache is not None:
+            k, v = step.cache.extend(k, v)  # (B, groups, T, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):
@@ -204,6 +243,8 @@ class Block(nn.Module):
         self.norm2 = make_norm(norm, dim, norm_eps)
         self.mlp = MLP(dim, hidden, dropout, bias) if mlp == "gelu" else SwiGLU(dim, hidden, dropout, bias)
 
-    def forward(self, x):
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x, step: DecodeStep | None = None):
+        """`step`: generation only (an attention module of another class needs only `attn(x)`)."""
+        h = self.norm1(x)
+        x = x + self.drop(self.attn(h) if step is None else self.attn(h, step))
         return x + self.mlp(self.norm2(x))

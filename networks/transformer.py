@@ -21,7 +21,8 @@ names the attributes each uses, which a pipeline stage keeps (distributed/pipeli
 
 There is no 'exit' region: the head consumes the sequence region's layout directly (under tensor
 sequence parallelism the vocab-parallel head all-gathers the sequence itself). Greedy decoding for
-any layout is `utils.tasks.generate.greedy_decode`.
+any layout is `utils.tasks.generate.greedy_decode`; sampling with a KV cache (`forward(idx, decode)`, one process)
+is `utils.tasks.sampling`.
 The vocabulary is padded to a multiple of `vocab_multiple` (tensor-parallel vocab splits, fast
 matmuls); padding changes neither the initial weights of real tokens nor the loss.
 """
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from networks.blocks import MLPS, NORMS, Block, Rotary, SequenceRegion, make_norm
+from networks.blocks import MLPS, NORMS, Block, DecodeStep, KVCache, Rotary, SequenceRegion, make_norm
 from networks.initialization import Init, initialize, linear_rules
 from networks.parallel_plan import BLOCK, ParallelPlan
 from utils import require
@@ -180,6 +181,33 @@ class CausalLMLoss(nn.Module):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index)
 
 
+class Decoding:
+    """Generation's state beside the model: which tokens of each row's text are real (padding is not), and the
+    blocks' key/value caches (None: every forward sees the whole text).
+
+    A token's position counts the real tokens before it in its row, so a padded prompt (left, right, or padding
+    between a prompt and its continuation) has the positions it has alone; a token attends the real tokens up to
+    itself, and itself (a padding query's row is never empty; its output is never used).
+    """
+
+    def __init__(self, valid: torch.Tensor, depth: int, cache: bool = True):
+        self.valid = valid  # (B, T) bool: real tokens of the text so far
+        self.caches = [KVCache() for _ in range(depth)] if cache else None
+
+    def append(self, valid: torch.Tensor) -> None:
+        """Mark the next tokens (B, N) real or not, before the forward that reads them."""
+        self.valid = torch.cat((self.valid, valid), dim=1)
+
+    def step(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions (B, new), mask (B, 1, new, T)) of the last `new` tokens of the text."""
+        total = self.valid.shape[1]
+        positions = (self.valid.long().cumsum(1) - 1).clamp_min(0)[:, total - new:]
+        query = torch.arange(total - new, total, device=self.valid.device)[:, None]  # (new, 1)
+        key = torch.arange(total, device=self.valid.device)[None]  # (1, T)
+        mask = ((key <= query) & self.valid[:, None, :]) | (key == query)  # (B, new, T)
+        return positions, mask[:, None]
+
+
 class GPT(nn.Module):
     """Decoder-only pre-norm transformer language model."""
 
@@ -226,20 +254,33 @@ class GPT(nn.Module):
         return ParallelPlan(block=BLOCK, norms=("norm",), replicated=("pos_embed",), vocab_embedding="tok_embed",
                             vocab_head="lm_head", pipeline_ends=self.PIPELINE_ENDS)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, decode: Decoding | None = None) -> torch.Tensor:
+        """Logits of `idx` (B, S); `decode` (generation only): `idx` are the newest tokens of texts whose earlier
+        tokens the caches hold (or the whole texts, without caches), their padding masked."""
+        if decode is not None:
+            return self._decode(idx, decode)
         x = self.embed(idx)
         for block in self.blocks.children():  # a pipeline stage keeps some, under their global names
             x = block(x)
         return self.output(x)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, S) -> the blocks' input (B, S_local, D): the first pipeline stage's part."""
+    def _decode(self, idx: torch.Tensor, decode: Decoding) -> torch.Tensor:
+        positions, mask = decode.step(idx.shape[1])
+        x = self.embed(idx, positions)
+        caches = decode.caches or [None] * len(self.blocks)
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x = block(x, DecodeStep(positions, mask, cache))
+        return self.output(x)
+
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, S) -> the blocks' input (B, S_local, D): the first pipeline stage's part. `positions`
+        (B, S): each token's position (generation); by default 0 .. S-1."""
         seq_len = idx.shape[1]
         if seq_len > self.cfg.max_positions:
             check_seq_len(self.cfg, seq_len)
         x = self.tok_embed(idx)  # (B, S, D)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(seq_len, device=idx.device))
+            x = x + self.pos_embed(torch.arange(seq_len, device=idx.device) if positions is None else positions)
         return self.enter_seq(self.embed_drop(x))  # (B, S_local, D) under sequence parallelism
 
     def output(self, x: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,8 @@ LAYERS = (
     ("workloads", ("utils.tasks", "utils.checkpoints")),
     ("engine", ("utils.engine",)),
     ("command line", ("utils.cli",)),
-    ("tools", ("utils.plan", "utils.bench", "utils.doctor", "utils.compare", "utils.forecast", "utils.export")),
+    ("tools", ("utils.plan", "utils.bench", "utils.doctor", "utils.compare", "utils.forecast", "utils.export",
+                "utils.generate")),
     ("scripts", ("train", "train_mp")),
 )
 
@@ -269,4 +270,4 @@ def test_utils_holds_the_bottom_and_subpackages_by_concern():
     assert loose == ["__init__.py", "comm.py", "launch_env.py", "schema.py", "signals.py"]
     packages = sorted(p.parent.name for p in (ROOT / "utils").glob("*/__init__.py"))
     assert packages == ["bench", "checkpoints", "cli", "compare", "data", "doctor", "engine", "export", "forecast",
-                        "plan", "tasks"]
+                        "generate", "plan", "tasks"]

@@ -41,7 +41,8 @@ TOP = ("config", "networks", "distributed", "utils", "submit", "tests", "docs", 
 CONFIG_TOOLS = ("utils.bench", "utils.plan", "utils.plan.rank", "utils.doctor")
 HELP_TOOLS = {  # module -> the module whose main(argv) `python -m module` calls
     "utils.compare": "utils.compare.report", "utils.export": "utils.export.convert",
-    "utils.forecast": "utils.forecast.report", "utils.bench.attention": "utils.bench.attention",
+    "utils.forecast": "utils.forecast.report", "utils.generate": "utils.generate.command",
+    "utils.bench.attention": "utils.bench.attention",
     "utils.bench.collectives": "utils.bench.collectives", "utils.data.stats": "utils.data.stats",
     "utils.data.era5_zarr_synthetic": "utils.data.era5_zarr_synthetic"}
 # run as written (slow)

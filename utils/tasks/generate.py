@@ -1,8 +1,11 @@
-"""Greedy decoding for the language model, on any tensor-parallel layout: the one decoder.
+"""Greedy decoding for the language model, on any layout: the decoder of parallel models.
 
 Validation writes continuations with it (utils/tasks/) and the tests call it on serial and
-parallel models alike. Every step runs the model on a window of one fixed width (prompt plus new
-tokens, at most `max_positions`), right-padded while it fills: the model is causal, so padding never
+parallel models alike; sampling in one process with a KV cache is utils/tasks/sampling.py, whose
+token choice (`choose`, greedy here) it shares.
+
+Every step runs the model on a window of one fixed width (prompt plus new tokens, at most
+`max_positions`), right-padded while it fills: the model is causal, so padding never
 changes the logits of earlier positions, and a fixed width compiles one graph. Once the text is longer
 than `max_positions`, the window slides and keeps the last `max_positions` tokens. Under tensor
 parallelism each rank holds a vocabulary shard of the logits; the last position's shards are gathered
@@ -24,6 +27,7 @@ from torch import nn
 from distributed.pipeline.schedule import from_last_stage
 from distributed.tensor.vocab import gather_vocab
 from utils.comm import AxisGroup
+from utils.tasks.sampling import GREEDY, choose
 
 
 @torch.no_grad()
@@ -60,4 +64,4 @@ def _next_token(model: nn.Module, logits: torch.Tensor, last: int, shards, tp: A
     if shards is not None:
         logits = shards.unshard(logits, 1)  # (B, W, V_local)
     logits = gather_vocab(logits[:, last].float(), tp, model.padded_vocab)  # (B, V_padded)
-    return logits[:, :model.vocab_size].argmax(dim=-1, keepdim=True)
+    return choose(logits[:, :model.vocab_size], GREEDY)[:, None]

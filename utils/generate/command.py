@@ -1,0 +1,198 @@
+"""Text sampled from a language model: a checkpoint of any layout, or a Hugging Face folder.
+
+    python -m utils.generate runs/<run>/checkpoints/step_0000100 --prompt "The castle" --max-new-tokens 40
+    python -m utils.generate hf/<name> --prompts prompts.txt --temperature 0.8 --top-k 50 --top-p 0.9 --seed 1
+
+A checkpoint is read in one process as export reads it (every shard, any layout; the model's entries only), with
+the run's model settings (config.yaml) and tokenizer (`data.tokenizer`: the word or BPE vocabulary trained on the
+run's corpus, found in its cache, or the tokenizer folder it named; `--tokenizer` overrides). A Hugging Face
+folder (GPT-2, Llama: utils/checkpoints/hf.py) brings its tokenizer.json. `--prompts FILE` holds one prompt per
+line, sampled as one batch (`--padding left|right`: the result is the same). Sampling, the KV cache and the
+padding are utils/tasks/sampling.py's. Each sample prints as its prompt followed by the continuation (up to the
+end-of-text token), one blank line between samples; the throughput goes to stderr. Bad input (a missing folder,
+a checkpoint of the weather model, a top-p outside (0, 1], ...): one line on stderr, exit 2, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from utils import ConfigError, exit_bad_input, require
+from utils.tasks.sampling import PADDINGS, Sampling, sample
+
+
+@dataclass
+class Source:
+    """A model ready to sample from, and the tokenizer of its vocabulary."""
+
+    model: torch.nn.Module  # networks.transformer.GPT, eval mode
+    tokenizer: object  # utils.data.tokenizers.AnyTokenizer
+    eos_id: int | None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m utils.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", type=Path, help="a step_* folder of a run, or a Hugging Face model folder")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="one prompt")
+    text.add_argument("--prompts", type=Path, help="a text file: one prompt per non-blank line, sampled as a batch")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to add to each prompt at most")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the likeliest tokens reaching this probability")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole text at each token")
+    p.add_argument("--padding", choices=PADDINGS, default="left", help="where shorter prompts of a batch are padded")
+    p.add_argument("--tokenizer", type=Path, help="a tokenizer folder or tokenizer.json (default: the source's)")
+    p.add_argument("--data", nargs="*", default=[], metavar="data.KEY=VALUE",
+                   help="where the run's corpus now lies (its word or BPE tokenizer is cached there)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p
+
+
+def read_prompts(args) -> list[str]:
+    """The prompts of --prompt or --prompts (ConfigError when there are none)."""
+    if args.prompt is not None:
+        require(args.prompt.strip() != "", "the prompt is empty", "--prompt", "give some text")
+        return [args.prompt]
+    require(args.prompts.is_file(), f"{args.prompts} is not a file", "--prompts", "give a text file, a prompt a line")
+    try:
+        lines = [s for s in (line.strip() for line in args.prompts.read_text(encoding="utf-8").splitlines()) if s]
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read {args.prompts} ({err})", "--prompts", "give a UTF-8 text file") from None
+    require(bool(lines), f"{args.prompts} holds no prompt", "--prompts", "write one prompt per line")
+    return lines
+
+
+def load_tokenizer_file(path: Path):
+    from utils.data.tokenizers import PretrainedTokenizer
+
+    try:
+        return PretrainedTokenizer.load(str(path))
+    except ConfigError as err:
+        raise ConfigError(err.what, "--tokenizer", err.fix) from None
+
+
+def load_hf(folder: Path, tokenizer: Path | None, device: str) -> Source:
+    """A GPT-2 or Llama folder's model and tokenizer (tokenizer.json in the folder unless `tokenizer`)."""
+    from networks.transformer import GPT
+    from utils.checkpoints import hf
+
+    config = hf.read_config(folder)
+    arch, settings = hf.model_settings(config)
+    cfg = hf.schema_of(arch)(**settings)
+    require(tokenizer is not None or (folder / "tokenizer.json").is_file(), f"{folder} holds no tokenizer.json",
+            "--tokenizer", "give the model's tokenizer folder or tokenizer.json")
+    tok = load_tokenizer_file(tokenizer or folder)
+    vocab = config["vocab_size"]
+    require(tok.vocab_size <= vocab, f"the tokenizer has {tok.vocab_size} tokens, the model {vocab}", "--tokenizer",
+            "give the model's own tokenizer")
+    with torch.device("meta"):
+        model = GPT(cfg, vocab)
+    model.load_state_dict(hf.import_state(folder, cfg, vocab), assign=True)
+    return Source(ready(model, device), tok, tok.eos_id)
+
+
+def load_checkpoint(folder: Path, tokenizer: Path | None, data: list[str], device: str) -> Source:
+    """A run's checkpoint (any layout) in one process, and the run's tokenizer."""
+    from networks.transformer import GPT
+    from utils.checkpoints.checkpointer import Checkpointer
+    from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts
+    from utils.comm import Grid
+
+    _, model_cfg, data_cfg = load_run(folder, "wikitext", data)
+    run_dir = folder.parent.parent
+    require(Checkpointer(run_dir, Grid.serial().world).is_complete(folder), f"{folder} is not a complete checkpoint",
+            "CHECKPOINT", "give a step_* folder that holds a COMPLETE marker")
+    vocab = (read_facts(run_dir, TASK_FILE) or {}).get("vocab_size")
+    require(vocab is not None, f"{run_dir} records no vocabulary size (task.json)", "CHECKPOINT",
+            "resume the run for one step with this version, then sample")
+    tok = load_tokenizer_file(tokenizer) if tokenizer is not None else run_tokenizer(data_cfg)
+    require(tok.vocab_size == vocab, f"the tokenizer has {tok.vocab_size} tokens, the run's model {vocab}",
+            "--tokenizer", "give the tokenizer the run trained with")
+    with torch.device("meta"):
+        model = GPT(model_cfg, vocab)
+    model.load_state_dict(model_state(folder), assign=True)
+    return Source(ready(model, device), tok, tok.eos_id)
+
+
+def run_tokenizer(data_cfg):
+    """The tokenizer a language run trained with: its corpus's cached word or BPE vocabulary, or its folder."""
+    from utils.data.cache import cache_folders
+    from utils.data.wikitext import load_tokenizer, locate
+
+    folder, sources = locate(data_cfg)
+    return load_tokenizer(data_cfg, sources["train"], cache_folders(folder, data_cfg.cache_dir))[0]
+
+
+def model_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The model's entries of a checkpoint as full tensors (the optimizer's are not read)."""
+    import torch.distributed.checkpoint as dcp
+
+    from utils.checkpoints.sharded_state import SafeReader, read_shapes
+
+    metadata = SafeReader(folder).read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(shape, dtype=metadata[key].properties.dtype)
+               for key, shape in read_shapes(folder).items() if key.startswith("model/") and shape is not None}
+    dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=True)
+    return {key.removeprefix("model/"): t for key, t in tensors.items()}
+
+
+def ready(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """A meta-built model whose weights were assigned, on `device` in eval mode: its computed buffers (rotary
+    tables) made there, its head tied again to the embedding when the model ties them."""
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers(torch.device(device))
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embed.weight
+    return model.to(device).eval()
+
+
+def load_source(args) -> Source:
+    """The model and tokenizer of a Hugging Face folder or a run's checkpoint."""
+    source = args.source
+    require(source.is_dir(), f"{source} is not a folder", "CHECKPOINT_OR_HF_FOLDER",
+            "give a run's step_* folder or a Hugging Face model folder")
+    if (source / "config.json").is_file():
+        return load_hf(source, args.tokenizer, args.device)
+    return load_checkpoint(source, args.tokenizer, args.data, args.device)
+
+
+def encode(source: Source, lines: list[str], new_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt; ConfigError for a prompt of no tokens or a text longer than the model's context."""
+    prompts = source.tokenizer.encode_batch(lines)
+    require(all(prompts), "a prompt encodes to no token", "--prompt", "give prompts with some text")
+    longest, limit = max(map(len, prompts)), source.model.cfg.max_positions
+    require(longest + new_tokens <= limit, f"the longest prompt ({longest} tokens) and --max-new-tokens {new_tokens} "
+            f"exceed the model's {limit} positions", "--max-new-tokens", f"give at most {limit - longest}")
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        require(args.max_new_tokens > 0, f"--max-new-tokens {args.max_new_tokens}", "--max-new-tokens",
+                "give a positive number of tokens")
+        lines = read_prompts(args)
+        source = load_source(args)
+        prompts = encode(source, lines, args.max_new_tokens)
+    except ConfigError as err:
+        exit_bad_input(err)
+    start = time.perf_counter()
+    outs = sample(source.model, prompts, args.max_new_tokens, sampling, eos_id=source.eos_id, seed=args.seed,
+                  cache=not args.no_kv_cache, padding=args.padding)
+    seconds = time.perf_counter() - start
+    trim = [o[:-1] if o and o[-1] == source.eos_id else o for o in outs]  # the end token is not text
+    print("\n\n".join(source.tokenizer.decode(p + o) for p, o in zip(prompts, trim, strict=True)))
+    count = sum(map(len, outs))
+    print(f"{count} tokens in {seconds:.2f} s ({count / seconds:.1f} tokens/s, {len(prompts)} prompts, KV cache "
+          f"{'off' if args.no_kv_cache else 'on'}, {args.device})", file=sys.stderr)
+    return 0
