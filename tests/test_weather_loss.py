@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from networks.vit import RelativeL2Loss
 from utils.checkpoints.run_dir import differences
 from utils.cli.config import load_config
+from utils.cli.runs import override_digest
 from utils.data.era5 import CHANNELS, nersc_channel
 from utils.data.fields import Channel, cell_area_weights
 from utils.engine.materialize import materialize
@@ -100,10 +101,11 @@ def test_the_models_criterion_is_the_configured_loss(era5_root, loss):
 
 def test_evaluation_settings_are_resume_safe_and_training_settings_not(era5_root):
     base = load_config([f"data.root={era5_root}"])[2]
-    evaluation = load_config([f"data.root={era5_root}", "task.eval.every=5", "task.eval.steps=4",
-                              "task.eval.inits=2"])[2]
+    _, choices, evaluation = load_config([f"data.root={era5_root}", "task.eval.every=5", "task.eval.steps=4",
+                                          "task.eval.inits=2"])
     training = load_config([f"data.root={era5_root}", "task.loss=area_mse", "task.rollout_train_steps=2"])[2]
-    assert differences(base, evaluation) == []  # neither renames the run nor refuses its resume
+    assert differences(base, evaluation) == []  # the resume is not refused
+    assert override_digest(evaluation, choices) == ""  # nor the run renamed (data.root is resume-safe too)
     assert differences(base, training) == ["task.loss: relative_l2 -> area_mse", "task.rollout_train_steps: 1 -> 2"]
 
 
