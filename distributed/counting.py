@@ -1,7 +1,7 @@
 """Byte accounting of collectives: `record(axis, num_bytes)`, counted in eager code and compiled graphs alike.
 
 Every collective in `distributed/` calls `record` with the bytes this rank sends, and the trainer logs
-the per-axis totals as `comm/<axis>_bytes`. An `AxisGroup` (utils/comm.py) owns its counter: an int64
+the per-axis totals as `comm/<axis>_bytes`. An `AxisGroup` (utils/comm/__init__.py) owns its counter: an int64
 scalar tensor on the CPU. Kept on the CPU (not the device) so counting never syncs the device nor
 launches a kernel, and inductor's CUDA graphs, which would replay on a copy of the input, skip graphs
 that take a CPU tensor.

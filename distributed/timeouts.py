@@ -3,7 +3,7 @@
 `torch.distributed.init_process_group(timeout=...)` sets the default group's timeout only: groups made after it
 (the DeviceMesh's dims, their flattened products, `new_group` pairs, the hierarchical ring's, the gloo side
 group) keep the backend's default, 10 minutes on NCCL and 30 on gloo. `set_group_timeouts` gives every group
-this process belongs to one timeout: `utils/comm.py` `init_grid` applies `parallel.init_timeout_s` once every
+this process belongs to one timeout: `utils/comm/__init__.py` `init_grid` applies `parallel.init_timeout_s` once every
 group of the grid exists, and the step watchdog (utils/engine/watchdog.py) raises it for the training loop to
 `watchdog_safe_timeout(trainer.hang_timeout_s)`, so that a hung collective is first seen by the step watchdog
 (which writes every thread's stack to hang_rank<r>.txt and exits) and not by NCCL's own watchdog thread, whose

@@ -188,8 +188,9 @@ LAYERS = (
     ("workloads", ("utils.tasks", "utils.checkpoints")),
     ("engine", ("utils.engine",)),
     ("command line", ("utils.cli",)),
-    ("tools", ("utils.plan", "utils.bench", "utils.doctor", "utils.compare", "utils.forecast", "utils.export",
-                "utils.generate")),
+    # utils.comm.__main__: `python -m utils.comm` (DESIGN.md); utils.checkpoints.export: export's former name
+    ("tools", ("utils.comm.__main__", "utils.checkpoints.export", "utils.plan", "utils.bench", "utils.doctor",
+               "utils.compare", "utils.forecast", "utils.export", "utils.generate")),
     ("scripts", ("train", "train_mp")),
 )
 
@@ -264,10 +265,10 @@ def test_no_library_module_imports_a_script():
 
 def test_utils_holds_the_bottom_and_subpackages_by_concern():
     """Only the bottom of the layers sits in utils/ itself: the bad-input error (__init__.py), the config schema,
-    the launch environment, the stop signals, and the grid (comm.py); everything else is in a subpackage that
-    says what it holds."""
+    the launch environment, the stop signals; the grid is utils/comm/ (its package holds the grid and, in
+    __main__.py, its command); everything else is in a subpackage that says what it holds."""
     loose = sorted(p.name for p in (ROOT / "utils").glob("*.py"))
-    assert loose == ["__init__.py", "comm.py", "launch_env.py", "schema.py", "signals.py"]
+    assert loose == ["__init__.py", "launch_env.py", "schema.py", "signals.py"]
     packages = sorted(p.parent.name for p in (ROOT / "utils").glob("*/__init__.py"))
-    assert packages == ["bench", "checkpoints", "cli", "compare", "data", "doctor", "engine", "export", "forecast",
-                        "generate", "plan", "tasks"]
+    assert packages == ["bench", "checkpoints", "cli", "comm", "compare", "data", "doctor", "engine", "export",
+                        "forecast", "generate", "plan", "tasks"]

@@ -46,7 +46,8 @@ HELP_TOOLS = {  # module -> the module whose main(argv) `python -m module` calls
     "utils.bench.collectives": "utils.bench.collectives", "utils.data.stats": "utils.data.stats",
     "utils.data.era5_zarr_synthetic": "utils.data.era5_zarr_synthetic"}
 # run as written (slow)
-DRY = ("python -m utils.plan.layout ", "python -m utils.plan parallel=", "python train.py --cfg")
+DRY = ("python -m utils.comm ", "python -m utils.plan.layout ", "python -m utils.plan parallel=",
+       "python train.py --cfg")
 # Commands not run, by the start of the command: the reason.
 NOT_RUN = {
     "pip install": "installs packages (.ci/run installs the project from scratch)",

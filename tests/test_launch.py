@@ -104,7 +104,7 @@ def test_each_rank_finds_its_gpu(monkeypatch):
 
 
 def test_layout_command_prints_groups_without_launching():
-    proc = subprocess.run([sys.executable, "-m", "utils.plan.layout", "tp=4", "dp=2", "order=tp-dp"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "utils.comm", "tp=4", "dp=2", "order=tp-dp"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert "tp groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in proc.stdout

@@ -2,7 +2,7 @@
 
 `launch_env()` finds rank, world size and local rank in torchrun's variables (RANK/WORLD_SIZE/LOCAL_RANK)
 or Slurm's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), `pick_device` gives the rank its GPU and
-`restart_warning` flags a torchrun setting that breaks restarts. It sits below the grid (utils/comm.py
+`restart_warning` flags a torchrun setting that breaks restarts. It sits below the grid (utils/comm/__init__.py
 `init_grid` reads it) and every layer above may read it; the write side, which sets these variables for
 local ranks (`rank_env`), is the launcher's (utils/cli/launch.py).
 """

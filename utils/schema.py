@@ -19,7 +19,7 @@ from typing import Any
 from distributed.pipeline.stage_plan import SCHEDULES, SPLIT_BACKWARD, resolve_plan
 from utils import require
 
-AXIS_NAMES = ("tp", "cp", "dp", "pp")  # the grid's axes (utils/comm.py `Axis`), in default order
+AXIS_NAMES = ("tp", "cp", "dp", "pp")  # the grid's axes (utils/comm/__init__.py `Axis`), in default order
 CP_VARIANTS = ("ring", "allgather", "alltoall", "hierarchical")  # parallel.cp_attention: distributed/context/
 PRECISION_MODES = ("fp32", "tf32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw")
