@@ -106,7 +106,8 @@ def sample(model: nn.Module, prompts: list[list[int]], new_tokens: int, sampling
                 on_logits(step, logits)
             token = choose(logits, sampling, generator)  # (B,)
             out = torch.cat((out, token[:, None]), dim=1)
-            done |= token == eos_id if eos_id is not None else done
+            if eos_id is not None:
+                done |= token == eos_id
             if bool(done.all()) or step == new_tokens - 1:
                 break
             decoding.append(torch.ones_like(token[:, None], dtype=torch.bool))
