@@ -39,7 +39,7 @@ ROUNDOFF = 100 * 2.0 ** -48  # energy below 100 float32 roundoffs squared of the
 
 def circumference(latitudes) -> torch.Tensor:
     """Length (m) of each latitude circle, (H,) float64; 0 at the poles."""
-    lat = torch.as_tensor(np.asarray(latitudes, dtype=np.float64))
+    lat = torch.tensor(np.asarray(latitudes, dtype=np.float64))
     return 2 * math.pi * EARTH_RADIUS_M * torch.cos(torch.deg2rad(lat)).clamp(min=0.0)
 
 
@@ -54,7 +54,7 @@ def zonal_energy_spectrum(fields: torch.Tensor, latitudes) -> torch.Tensor:
 
 def band_rows(latitudes, band: tuple[float, float] = BAND) -> torch.Tensor:
     """Boolean (H,) of the rows whose |latitude| lies in `band` (all rows if none does)."""
-    lat = torch.as_tensor(np.asarray(latitudes, dtype=np.float64)).abs()
+    lat = torch.tensor(np.asarray(latitudes, dtype=np.float64)).abs()
     rows = (lat >= band[0]) & (lat <= band[1])
     return rows if rows.any() else torch.ones_like(rows)
 
