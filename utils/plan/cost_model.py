@@ -50,6 +50,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -264,7 +265,10 @@ def plan_world(req: Request, configs: LayoutConfigs) -> list[LayoutPlan]:
     plan = partial(plan_or_refusal, configs, hw=req.hardware, world=req.world, depths=depths)
     jobs = min(len(sizes), req.jobs or len(os.sched_getaffinity(0)))
     if jobs > 1:  # forked workers: the imports and the composed config are inherited, not redone
-        with multiprocessing.get_context("fork").Pool(jobs, initializer=one_thread) as pool:
+        # forking a process that runs other threads (a host such as a test worker's) can copy a lock another
+        # thread holds: then the workers start from a fresh server process instead
+        start = "fork" if threading.active_count() == 1 else "forkserver"
+        with multiprocessing.get_context(start).Pool(jobs, initializer=one_thread) as pool:
             plans = pool.map(plan, sizes, chunksize=1)
     else:
         plans = [plan(s) for s in sizes]
