@@ -5,9 +5,10 @@ processes (CPU, gloo) with SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID/SLURM_NTASKS 
 `srun -u`, a pseudo-terminal as each task's stdout, as the real srun gives), kills the others
 when one exits non-zero (--kill-on-bad-exit: SIGTERM, SIGKILL 10 s later) and returns Slurm's status (a
 task killed by a signal outranks exit codes: 128 + signal, else the highest exit code); `scontrol show
-hostnames` answers `localhost` per node and `scontrol requeue` is recorded. Every training script trains
-for real, its layout scaled down to at most 4 ranks; the checks before srun, the requeue on exit 75 and
-the per-job rendezvous port are checked on the scripts' own output.
+hostnames` answers `localhost` per node and `scontrol requeue` is recorded. hybrid.sh trains for real on
+4 ranks; every other training script runs up to its srun call, which the stand-in records without starting
+tasks (each trains on a real cluster in the real-Slurm tier); the checks before srun, the requeue on exit 75
+and the per-job rendezvous port are checked on the scripts' own output.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ STRATEGIES = [
     ("fsdp.sh", ["parallel.dp=2"], 1, 2),
     ("hybrid.sh", ["parallel.cp=1"], 2, 2),  # tp2 inside a node x pp2 across the two nodes
 ]
+# The scripts trained through the stand-in here: hybrid.sh's two "nodes" of two tasks exercise every per-task
+# variable srun sets. The others go through the stand-in up to srun, which records their call and starts nothing:
+# every script trains on a real Slurm cluster, on one node and on two, in the real-Slurm tier
+# (tests/slurm/test_real_slurm.py, which CI runs after this suite); training each here too cost about 4 minutes.
+TRAINED_HERE = [s for s in STRATEGIES if s[0] == "hybrid.sh"]
+CALLED_HERE = [s for s in STRATEGIES if s not in TRAINED_HERE]
 
 SRUN = '''
 """Stand-in srun: the step's tasks as local processes; records each call in $STANDIN_DIR/srun.jsonl."""
@@ -80,6 +87,8 @@ watched = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "HDF5_USE_FILE_LOCKI
 with open(os.path.join(os.environ["STANDIN_DIR"], "srun.jsonl"), "a") as f:
     f.write(json.dumps({"opts": opts, "command": args, "ntasks": ntasks, "per_node": per_node,
                         "env": {k: os.environ.get(k) for k in watched}}) + "\\n")
+if os.environ.get("STANDIN_RECORD_ONLY"):
+    sys.exit(0)
 procs, copies = [], []
 for rank in range(ntasks):
     env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_STEP_ID="0",
@@ -219,7 +228,7 @@ def strategy_jobs(request, tmp_path_factory, era5_root):
                 if getattr(item, "originalname", "") == "test_each_strategy_trains_through_srun"}
     jobs = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for script, layout, nodes, per_node in STRATEGIES:
+        for script, layout, nodes, per_node in TRAINED_HERE:
             if script in selected:
                 base = make_standin(tmp_path_factory.mktemp(script.removesuffix(".sh")))
                 job_id = free_job_id()
@@ -229,19 +238,13 @@ def strategy_jobs(request, tmp_path_factory, era5_root):
         yield jobs
 
 
-@pytest.mark.parametrize("script,layout,nodes,per_node", STRATEGIES, ids=[s[0] for s in STRATEGIES])
+@pytest.mark.parametrize("script,layout,nodes,per_node", TRAINED_HERE, ids=[s[0] for s in TRAINED_HERE])
 def test_each_strategy_trains_through_srun(strategy_jobs, script, layout, nodes, per_node):
     base, job_id, future = strategy_jobs[script]
     proc, calls = future.result()
     run_dir, world = base / "run", nodes * per_node
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [call] = calls
-    assert call["ntasks"] == world and call["per_node"] == per_node
-    assert call["opts"]["--kill-on-bad-exit"] == "1" and "-u" in call["opts"]
-    command = call["command"]  # the ranks run `python train.py <script defaults> <overrides>`
-    assert command[command.index("train.py") - 1] == "python" and command[len(command) - len(layout):] == layout
-    assert call["env"] == {"MASTER_ADDR": "localhost", "MASTER_PORT": str(20000 + job_id % 20000),
-                           "OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE", "NVIDIA_TF32_OVERRIDE": None}
+    assert_one_srun_call(calls, layout, nodes, per_node, job_id)
     step = run_dir / "checkpoints" / "step_0000002"
     assert (step / "COMPLETE").is_file() and (run_dir / "checkpoints" / "latest").read_text() == step.name
     assert read_layout(run_dir)["world_size"] == world  # the run's own facts, not its log
@@ -250,6 +253,28 @@ def test_each_strategy_trains_through_srun(strategy_jobs, script, layout, nodes,
     # (text mode reads a "\r" as a line end: the live line would be a bare "step 1/2 ..." instead of the log line)
     assert proc.stdout.count("step 1/2") == 1 and " INFO step 1/2 " in proc.stdout, proc.stdout[-2000:]
     assert "broadcast_buffers" not in proc.stderr  # torch's DDP deprecation warning, once per rank before
+
+
+def assert_one_srun_call(calls: list[dict], layout: list[str], nodes: int, per_node: int, job_id: int) -> None:
+    """The job ran one srun step of nodes x per_node tasks, each `python train.py ... <layout>`, killed on a bad
+    exit, unbuffered, with the job's rendezvous and environment."""
+    [call] = calls
+    assert call["ntasks"] == nodes * per_node and call["per_node"] == per_node
+    assert call["opts"]["--kill-on-bad-exit"] == "1" and "-u" in call["opts"]
+    command = call["command"]  # the ranks run `python train.py <script defaults> <overrides>`
+    assert command[command.index("train.py") - 1] == "python" and command[len(command) - len(layout):] == layout
+    assert call["env"] == {"MASTER_ADDR": "localhost", "MASTER_PORT": str(20000 + job_id % 20000),
+                           "OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE", "NVIDIA_TF32_OVERRIDE": None}
+
+
+@pytest.mark.parametrize("script,layout,nodes,per_node", CALLED_HERE, ids=[s[0] for s in CALLED_HERE])
+def test_each_other_strategy_calls_srun_for_its_layout(standin, tmp_path, script, layout, nodes, per_node):
+    """Up to srun, as trained above: the checks before it pass and its one call asks for the layout's tasks."""
+    job_id = free_job_id()
+    proc, calls = sbatch(standin, script, f"data.root={tmp_path}", *TINY, f"run.dir={tmp_path / 'run'}", *layout,
+                         nodes=nodes, per_node=per_node, job_id=job_id, env={"STANDIN_RECORD_ONLY": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_one_srun_call(calls, layout, nodes, per_node, job_id)
 
 
 def bash_with_helper(standin: Path, snippet: str, **env: str) -> str:
