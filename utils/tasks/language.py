@@ -13,6 +13,7 @@ from distributed.collectives import all_reduce_
 from networks.transformer import GPTConfig, check_seq_len, padded_vocab_size
 from utils import require
 from utils.comm import Axis, Grid
+from utils.data.tokens import TokensConfig, load_tokens
 from utils.data.wikitext import WikiTextConfig, load_wikitext
 from utils.schema import Config
 from utils.tasks.generate import greedy_decode
@@ -33,7 +34,7 @@ class LanguageTask:
     """Next-token prediction on WikiText with a decoder-only Transformer family (GPT, Llama, ...)."""
 
     DATA_KIND, DATA_NAME, TASK_SCHEMA = "wikitext", "WikiText", LanguageTaskConfig
-    DATA_SCHEMAS = {"wikitext": WikiTextConfig}  # data.kind -> schema (config/data/ presets)
+    DATA_SCHEMAS = {"wikitext": WikiTextConfig, "tokens": TokensConfig}  # data.kind -> schema (config/data/ presets)
     rollout_every = 0  # no forecasts
     num_prompts, prompt_len = 3, 8
     quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
@@ -53,8 +54,8 @@ class LanguageTask:
                 f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
                 f"use a multiple of {2 * cp}")
 
-    def __init__(self, data: WikiTextConfig, model_cfg: GPTConfig, task: LanguageTaskConfig | None = None,
-                 build=None):
+    def __init__(self, data: WikiTextConfig | TokensConfig, model_cfg: GPTConfig,
+                 task: LanguageTaskConfig | None = None, build=None):
         self.cfg, self.model_cfg, self.build = data, model_cfg, build  # build: the family's (networks/spec.py)
         self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
         self.train_set = self.val_set = self.corpus = None
@@ -63,7 +64,7 @@ class LanguageTask:
 
     def load_data(self) -> None:
         """Read, tokenize (or load the caches of) the corpus; every data error is raised here."""
-        self.corpus = load_wikitext(self.cfg)
+        self.corpus = load_tokens(self.cfg) if isinstance(self.cfg, TokensConfig) else load_wikitext(self.cfg)
         self.train_set = self.corpus.dataset("train", self.cfg.seq_len)
         self.val_set = self.corpus.dataset("valid", self.cfg.seq_len)
         self.unigram_ppl = self.corpus.unigram_ppl
