@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from utils.tasks.ensemble import crps, perturbation, rank_histogram, spread_skill, spread_skill_sums
+from utils.tasks.ensemble import crps, perturbed, rank_histogram, spread_skill, spread_skill_sums
 
 COLUMNS = ("crps", "crps_control", "rmse_mean", "rmse_control", "spread", "spread_skill")
 
@@ -35,8 +35,7 @@ class PerturbedRollouts:
 
     def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, truths = self.rollouts.read(index)
-        key = (self.seed, self.member, *self.rollouts.starts[index])  # the same draw under any layout or batch
-        return x + perturbation(tuple(x.shape), self.std, self.length, key), truths
+        return perturbed(x, self.member, self.rollouts.starts[index], self.std, self.length, self.seed), truths
 
 
 def run_members(model, rollouts, num_members: int, std: float, length: float, seed: int) -> torch.Tensor:

@@ -21,8 +21,7 @@ import torch
 
 from utils.forecast import dataset, members
 from utils.tasks import spectra
-
-SPECTRA_LEADS = 3  # leads drawn per spectra figure: the first, the middle and the last
+from utils.tasks.figures import lead_spectra_panel
 
 
 def init_times(rollouts) -> np.ndarray:
@@ -54,34 +53,10 @@ def write_spectra(out: Path, result: dict, leads: list[float], step: int,
         csv.writer(f).writerows([("channel", "lead_h", "blurring"),
                                  *((c, lead, float(blur[k, i])) for i, c in enumerate(names)
                                    for k, lead in enumerate(leads))])
-    shown = sorted({0, len(leads) // 2, len(leads) - 1})[:SPECTRA_LEADS]
     for channel in drawn:
-        c = names.index(channel)
-        curves = {leads[k]: (predicted[k, c], true[k, c], float(blur[k, c])) for k in shown}
         paths.append(out / f"spectra_{channel}.png")
-        spectra_panel(curves, channel, step).savefig(paths[-1])
+        lead_spectra_panel(predicted, true, blur, leads, names.index(channel), channel, step).savefig(paths[-1])
     return paths, blur
-
-
-def spectra_panel(curves: dict[float, tuple[torch.Tensor, torch.Tensor, float]], channel: str, step: int):
-    """Forecast (solid) and truth (dashed) spectra against zonal wavenumber k >= 1, log-log, one colour per
-    lead (its blurring figure in the legend). A matplotlib Figure."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4.5), dpi=100, layout="constrained")
-    ax = fig.subplots()
-    for n, (lead, (predicted, true, blur)) in enumerate(curves.items()):
-        k = np.arange(1, len(true))
-        ax.loglog(k, predicted[1:].numpy(), color=f"C{n}", label=f"{lead:g} h forecast (blurring {blur:.3g})")
-        ax.loglog(k, true[1:].numpy(), color=f"C{n}", linestyle="--", label=f"{lead:g} h truth")
-    high = spectra.resolved_top(true).nonzero().flatten().tolist() or [0]
-    ax.axvspan(high[0] - 0.5, high[-1] + 0.5, color="0.9", zorder=0, label="blurring wavenumbers")
-    ax.set_xlabel("zonal wavenumber")
-    ax.set_ylabel("energy (units^2 m), mid-latitude mean")
-    ax.set_title(f"{channel} zonal energy spectra, step {step}")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    return fig
 
 
 def write_dataset(path: Path, result: dict, leads: list[float], checkpoint: Path) -> Path:

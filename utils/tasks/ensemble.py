@@ -22,6 +22,11 @@ weights w (mean 1) for each initial time, then over the initial times (as WB2 do
 The factor sqrt((M + 1) / M) makes the ratio 1 for a perfectly reliable ensemble of M members, whose ensemble
 mean's expected squared error is (M + 1) / M times the expected variance (Fortin et al. 2014); WB2's plots
 divide the standard deviation by the RMSE without it, so `spread` and `skill` are returned as well.
+
+`ensemble_skill` runs the members of the rollout evaluation (`task.eval.members`, utils/tasks/weather.py) under
+any layout: each dp rank takes its initial times (utils/tasks/forecast.py `my_starts`), steps its members lead by
+lead (memory: M states, not M rollouts) and sums the scores over its times; the sums are reduced over the batch
+group, so the numbers are one process's and the forecast command's (`--members`, the same perturbations).
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ import math
 
 import numpy as np
 import torch
+
+from distributed.collectives import all_reduce_
+from utils.comm import Grid
+from utils.data.fields import cell_area_weights
+from utils.tasks.forecast import Rollouts, forecast_step, my_starts, read_batch
 
 KERNEL_RADIUS = 3.0  # the Gaussian kernel is cut at this many standard deviations
 
@@ -60,6 +70,13 @@ def perturbation(shape: tuple[int, int, int], std: float, length: float, key: tu
     """A perturbation (C, H, W) float32 in normalised units: std x smooth noise from the generator seeded with
     `key`, non-negative integers naming the draw (the forecast command's: seed, member, segment, time)."""
     return torch.from_numpy(std * smooth_noise(shape, length, np.random.default_rng(list(key)))).float()
+
+
+def perturbed(x: torch.Tensor, member: int, start: tuple[int, int], std: float, length: float,
+              seed: int) -> torch.Tensor:
+    """Member `member`'s initial state: x (C, H, W) normalised plus its perturbation at the initial time `start`
+    (segment, time index), drawn with the key (seed, member, segment, time): the same under any layout or batch."""
+    return x + perturbation(tuple(x.shape), std, length, (seed, member, *start)).to(x.device)
 
 
 def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -100,3 +117,26 @@ def rank_histogram(members: torch.Tensor, truth: torch.Tensor, weights: torch.Te
     bins = torch.arange(num + 1, device=members.device).view(-1, *[1] * truth.dim())
     share = ((bins >= below) & (bins <= up_to)).double() / (up_to - below + 1).double()  # (M + 1, ..., H, W)
     return _weighted_mean(share, weights.double()).movedim(0, -1)
+
+
+@torch.no_grad()
+def ensemble_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, members: int, std: float, length: float,
+                   seed: int = 0) -> dict[str, torch.Tensor]:
+    """{'crps', 'spread', 'skill', 'ratio'} -> (K, C) of `members` rollouts from perturbed initial states
+    (`perturbed`), in physical units, the same on every rank (see the module docstring)."""
+    device, batch, count = grid.device, grid.batch, len(rollouts.starts)
+    mine, counted = my_starts(count, batch, device)
+    x, truths = read_batch(rollouts, mine, device)
+    states = [torch.stack([perturbed(x[b], m, rollouts.starts[i], std, length, seed) for b, i in enumerate(mine)])
+              for m in range(members)]
+    weights = cell_area_weights(rollouts.latitudes).to(device)
+    means, stds = rollouts.means.to(device), rollouts.stds.to(device)
+    sums = torch.zeros(rollouts.steps, 3, len(rollouts.means), dtype=torch.float64, device=device)
+    for lead in range(rollouts.steps):
+        states = [forecast_step(model, state, autocast) for state in states]
+        physical = torch.stack(states) * stds + means  # (M, B, C, H, W)
+        sums[lead, 0] = crps(physical, truths[lead], weights)[counted].sum(dim=0)
+        sums[lead, 1:] = spread_skill_sums(physical, truths[lead], weights)[:, counted].sum(dim=1)
+    all_reduce_(sums, batch)
+    sums = sums.cpu()
+    return {"crps": sums[:, 0] / count, **spread_skill(sums[:, 1:].movedim(1, 0), count, members)}

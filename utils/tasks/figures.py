@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from utils.tasks.spectra import resolved_top
+
 
 def field_panels(pred: torch.Tensor, target: torch.Tensor, name: str, step: int, units: str = "normalized units",
                  sample: str = "first validation sample"):
@@ -57,3 +59,34 @@ def skill_panels(leads_h: list[int], curves: dict[str, dict[str, list[float]]], 
         ax.legend()
     fig.suptitle(f"rollout skill at step {step} (WeatherBench 2 definitions)")
     return fig
+
+
+def spectra_panel(curves: dict[float, tuple[torch.Tensor, torch.Tensor, float]], channel: str, step: int):
+    """Forecast (solid) and truth (dashed) spectra against zonal wavenumber k >= 1, log-log, one colour per
+    lead (its blurring figure in the legend). A matplotlib Figure."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4.5), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    for n, (lead, (predicted, true, blur)) in enumerate(curves.items()):
+        k = np.arange(1, len(true))
+        ax.loglog(k, predicted[1:].numpy(), color=f"C{n}", label=f"{lead:g} h forecast (blurring {blur:.3g})")
+        ax.loglog(k, true[1:].numpy(), color=f"C{n}", linestyle="--", label=f"{lead:g} h truth")
+    high = resolved_top(true).nonzero().flatten().tolist() or [0]
+    ax.axvspan(high[0] - 0.5, high[-1] + 0.5, color="0.9", zorder=0, label="blurring wavenumbers")
+    ax.set_xlabel("zonal wavenumber")
+    ax.set_ylabel("energy (units^2 m), mid-latitude mean")
+    ax.set_title(f"{channel} zonal energy spectra, step {step}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def lead_spectra_panel(predicted: torch.Tensor, true: torch.Tensor, blur: torch.Tensor, leads: list[float],
+                       channel: int, name: str, step: int):
+    """`spectra_panel` of channel index `channel` (named `name`) at the first, the middle and the last lead of
+    spectra (K, C, W // 2 + 1) and blurring figures (K, C): what the forecast command and the rollout evaluation
+    draw."""
+    shown = sorted({0, len(leads) // 2, len(leads) - 1})
+    curves = {leads[k]: (predicted[k, channel], true[k, channel], float(blur[k, channel])) for k in shown}
+    return spectra_panel(curves, name, step)

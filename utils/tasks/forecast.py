@@ -19,6 +19,9 @@ Baselines: persistence (f = x_0 at every lead) and climatology (f = C, whose ACC
 Without a climatology (no time_means.npy) ACC and the climatology baseline are left out with a notice, RMSE and
 bias are still reported. The data are read through the split's reader only.
 
+The rollout also gives the zonal energy spectra of the model's forecast and of the truth per lead and channel
+(utils/tasks/spectra.py: sums over initial times, reduced as the skill's), from which the blurring figure comes.
+
 Under any layout the sums over initial times are reduced over the batch group (each dp rank takes every
 dp-th initial time; tp, cp and pp ranks of a replica compute the same), so the numbers are those of one process.
 """
@@ -36,6 +39,7 @@ from distributed.pipeline.schedule import from_last_stage
 from utils import ConfigError, require
 from utils.comm import Grid
 from utils.data.fields import FieldPairs, FieldReader, cell_area_weights
+from utils.tasks.spectra import spectra_sums
 
 METRICS = ("rmse", "acc", "bias")
 
@@ -126,44 +130,67 @@ class Rollouts:
         return (fields[0] - self.means) / self.stds, fields[1:]
 
 
-@torch.no_grad()
-def rollout_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, with_baselines: bool,
-                  keep: list | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """{'model', ['persistence', 'climatology']} -> {'rmse', 'acc', 'bias'} -> (K, C) tensors, the same on
-    every rank. `model` is the forward pass (under pp: through the stages, the output on the last stage).
-    `keep`: a list that receives this rank's (forecasts, truths), each (B, K, C, H, W) in physical units."""
-    device, batch, count = grid.device, grid.batch, len(rollouts.starts)
-    # every dp rank runs the same number of forwards (FSDP gathers over dp x cp): a short rank repeats one
-    # of its initial times without counting it
+def my_starts(count: int, batch, device) -> tuple[list[int], torch.Tensor]:
+    """This dp rank's initial times (indices of the rollouts' starts) and which of them count, (B,) bool: each dp
+    rank takes every dp-th one, and every rank runs the same number of forwards (FSDP gathers over dp x cp), a
+    short rank repeating one of its times without counting it."""
     mine = list(range(count))[batch.rank::batch.size]
     per_rank = -(-count // batch.size)
     counted = torch.tensor([True] * len(mine) + [False] * (per_rank - len(mine)), device=device)
-    mine += [mine[0] if mine else 0] * (per_rank - len(mine))
+    return mine + [mine[0] if mine else 0] * (per_rank - len(mine)), counted
+
+
+def read_batch(rollouts: Rollouts, indices: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_0 of the initial times `indices` (B, C, H, W) normalised and their truths (K, B, C, H, W) physical, through
+    `rollouts.read` (a wrapper's too: the forecast command's perturbed members)."""
+    pairs = [rollouts.read(i) for i in indices]
+    return torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs], dim=1).to(device)
+
+
+def forecast_step(model, x: torch.Tensor, autocast) -> torch.Tensor:
+    """One autoregressive step: the model's prediction of x on every pp rank, in float32 whatever the autocast
+    dtype (what is fed back)."""
+    with autocast():
+        pred = model(x)
+    return from_last_stage(model, None if pred is None else pred.float(), x)
+
+
+@torch.no_grad()
+def rollout_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, with_baselines: bool,
+                  keep: list | None = None, spectra: dict | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """{'model', ['persistence', 'climatology']} -> {'rmse', 'acc', 'bias'} -> (K, C) tensors, the same on
+    every rank. `model` is the forward pass (under pp: through the stages, the output on the last stage).
+    `keep`: a list that receives this rank's (forecasts, truths), each (B, K, C, H, W) in physical units.
+    `spectra`: a dict that receives 'forecast' and 'truth', the model's and the truth's band-mean zonal energy
+    spectra per lead and channel averaged over the initial times (K, C, W // 2 + 1) (utils/tasks/spectra.py),
+    from sums reduced over the batch group as the skill's: the same on every rank."""
+    device, batch, count = grid.device, grid.batch, len(rollouts.starts)
+    mine, counted = my_starts(count, batch, device)
     names = ["model"] + (["persistence"] + (["climatology"] if rollouts.climatology is not None else [])
                          if with_baselines else [])
-    num_channels = len(rollouts.means)
+    num_channels, lat = len(rollouts.means), rollouts.latitudes
     sums = torch.zeros(len(names), rollouts.steps, 3, num_channels, dtype=torch.float64, device=device)
-    weights = cell_area_weights(rollouts.latitudes).to(device)
+    weights = cell_area_weights(lat).to(device)
     means, stds = rollouts.means.to(device), rollouts.stds.to(device)
     clim = rollouts.climatology.to(device) if rollouts.climatology is not None else None
-    if per_rank:
-        pairs = [rollouts.read(i) for i in mine]
-        x = torch.stack([p[0] for p in pairs]).to(device)
-        truths = torch.stack([p[1] for p in pairs], dim=1).to(device)  # (K, B, C, H, W)
-        start = x * stds + means
-        for lead in range(rollouts.steps):
-            with autocast():
-                pred = model(x)
-            x = from_last_stage(model, None if pred is None else pred.float(), x)  # fed back in float32
-            forecasts = {"model": x * stds + means, "persistence": start,
-                         "climatology": None if clim is None else clim.expand_as(start)}
-            for k, name in enumerate(names):
-                sums[k, lead] = skill_sums(forecasts[name], truths[lead], weights, clim, counted)
-            if keep is not None:
-                keep.append(forecasts["model"][counted].cpu())
+    x, truths = read_batch(rollouts, mine, device)
+    start, spectral = x * stds + means, []
+    for lead in range(rollouts.steps):
+        x = forecast_step(model, x, autocast)
+        forecasts = {"model": x * stds + means, "persistence": start,
+                     "climatology": None if clim is None else clim.expand_as(start)}
+        for k, name in enumerate(names):
+            sums[k, lead] = skill_sums(forecasts[name], truths[lead], weights, clim, counted)
+        if spectra is not None:
+            spectral.append(torch.stack([spectra_sums(f, lat, counted) for f in (forecasts["model"], truths[lead])]))
         if keep is not None:
-            keep[:] = [torch.stack(keep, dim=1), truths[:, counted].transpose(0, 1).cpu()]
+            keep.append(forecasts["model"][counted].cpu())
+    if keep is not None:
+        keep[:] = [torch.stack(keep, dim=1), truths[:, counted].transpose(0, 1).cpu()]
     all_reduce_(sums, batch)
+    if spectra is not None:
+        spectral = all_reduce_(torch.stack(spectral), batch).cpu() / count  # (K, 2, C, W // 2 + 1)
+        spectra.update(forecast=spectral[:, 0], truth=spectral[:, 1])
     return {name: {metric: torch.stack([skill(sums[k, lead], count)[metric]
                                         for lead in range(rollouts.steps)]).cpu() for metric in METRICS}
             for k, name in enumerate(names)}

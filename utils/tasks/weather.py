@@ -23,8 +23,10 @@ from utils.comm import Grid
 from utils.data.era5 import ERA5Config, latitude_weights
 from utils.data.era5_zarr import ERA5ZarrConfig
 from utils.data.fields import FieldPairs
-from utils.tasks.figures import field_panels, figure_image, skill_panels
+from utils.tasks.ensemble import ensemble_skill
+from utils.tasks.figures import field_panels, figure_image, lead_spectra_panel, skill_panels
 from utils.tasks.forecast import Rollouts, rollout_skill
+from utils.tasks.spectra import blurring
 from utils.tasks.weather_loss import GRAPHCAST_WEIGHTS, LOSSES, WeightedMSE, loss_table
 from utils.tasks.weather_metrics import weighted_rmse_per_sample
 
@@ -40,11 +42,18 @@ class ForecastEvalConfig:
     every: int = 0  # steps between rollout evaluations, and one at the end (0 = none)
     steps: int = 20  # autoregressive steps of data.dt per rollout (20 x 6 h = 5 days)
     inits: int = 8  # initial times of the validation split, evenly spaced
+    # an ensemble from perturbed initial states, scored by fair CRPS and spread-skill (0 or 1: none, no cost)
+    members: int = 0
+    perturbation_std: float = 0.05  # of the initial perturbations, normalised units (the forecast command's)
+    perturbation_length: float = 2.0  # their correlation length, grid points (0: white noise)
 
     def __post_init__(self):
         require(self.every >= 0, "every must be >= 0", "task.eval.every", "set 0 (none) or a number of steps")
         for name in ("steps", "inits"):
             require(getattr(self, name) > 0, f"{name} must be positive", f"task.eval.{name}", "set a positive integer")
+        require(self.members >= 0, "members must be >= 0", "task.eval.members", "set 0 (none) or 2 or more")
+        for name in ("perturbation_std", "perturbation_length"):
+            require(getattr(self, name) >= 0, f"{name} must be >= 0", f"task.eval.{name}", "set a value >= 0")
 
 
 @dataclass
@@ -104,6 +113,8 @@ class WeatherTask:
             text += (f"; rollouts of {self.eval.steps} steps from {self.eval.inits} initial times"
                      + ("" if self.rollouts.climatology is not None else
                         " (no stats/time_means.npy: rollout ACC and the climatology baseline are left out)"))
+            if self.eval.members >= 2:
+                text += f"; an ensemble of {self.eval.members} members (CRPS, spread-skill)"
         return text
 
     def summary(self, metrics: dict[str, float]) -> str:
@@ -218,28 +229,43 @@ class WeatherTask:
         return metrics
 
     def evaluate_rollout(self, model: nn.Module, *, grid: Grid, autocast, writer, step: int) -> dict[str, float]:
-        """rollout/<metric>/<channel>/<lead>h of the model (utils/tasks/forecast.py), and the persistence and
-        climatology baselines once as baseline/<name>/<metric>/<channel>/<lead>h; a figure of RMSE and ACC
-        against lead time for u10m, t2m and z500 (those the data has). Returns the model's scalars."""
-        first = not self.baselines_logged
-        skill = rollout_skill(model, self.rollouts, grid=grid, autocast=autocast, with_baselines=first)
-        leads = self.lead_hours(self.eval.steps)
-
-        def scalars(prefix: str, values: dict) -> dict[str, float]:
-            return {f"{prefix}/{metric}/{channel}/{lead:g}h": float(values[metric][k, c])
-                    for metric in values for c, channel in enumerate(self.channels)
-                    for k, lead in enumerate(leads) if not math.isnan(float(values[metric][k, c]))}
-
-        metrics = scalars("rollout", skill["model"])
+        """rollout/<metric>/<channel>/<lead>h of the model (utils/tasks/forecast.py): RMSE, ACC, bias and the
+        blurring figure of its zonal energy spectra (utils/tasks/spectra.py), with task.eval.members >= 2 the
+        ensemble's fair CRPS and spread-skill ratio (utils/tasks/ensemble.py); the persistence and climatology
+        baselines once as baseline/<name>/<metric>/<channel>/<lead>h; figures of RMSE and ACC against lead time
+        and of the spectra for u10m, t2m and z500 (those the data has). Returns the model's scalars."""
+        first, spectral = not self.baselines_logged, {}
+        skill = rollout_skill(model, self.rollouts, grid=grid, autocast=autocast, with_baselines=first,
+                              spectra=spectral)
+        blur = blurring(spectral["forecast"], spectral["truth"])  # (K, C)
+        metrics = self._scalars("rollout", {**skill["model"], "blurring": blur})
+        if self.eval.members >= 2:
+            scores = ensemble_skill(model, self.rollouts, grid=grid, autocast=autocast, members=self.eval.members,
+                                    std=self.eval.perturbation_std, length=self.eval.perturbation_length)
+            metrics.update(self._scalars("rollout", {"crps": scores["crps"], "spread_skill": scores["ratio"]}))
         if first:
             self.baselines_logged = True
             writer.scalars({tag: value for name in skill if name != "model"
-                            for tag, value in scalars(f"baseline/{name}", skill[name]).items()}, step)
+                            for tag, value in self._scalars(f"baseline/{name}", skill[name]).items()}, step)
             self.baseline_curves = {name: skill[name] for name in skill if name != "model"}
         if grid.batch.rank == 0 and writer.active:
-            for channel in [c for c in SKILL_CHANNELS if c in self.channels]:
-                c = self.channels.index(channel)
-                curves = {name: {m: v[:, c].tolist() for m, v in values.items()}
-                          for name, values in {"model": skill["model"], **self.baseline_curves}.items()}
-                writer.image(f"rollout/skill_{channel}", figure_image(skill_panels(leads, curves, channel, step)), step)
+            self._draw_rollout(writer, skill["model"], (spectral["forecast"], spectral["truth"], blur), step)
         return metrics
+
+    def _scalars(self, prefix: str, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """{prefix/metric/channel/<lead>h: value} of (K, C) tensors, NaNs (undefined figures) left out."""
+        leads = self.lead_hours(self.eval.steps)
+        return {f"{prefix}/{metric}/{channel}/{lead:g}h": float(values[metric][k, c])
+                for metric in values for c, channel in enumerate(self.channels)
+                for k, lead in enumerate(leads) if not math.isnan(float(values[metric][k, c]))}
+
+    def _draw_rollout(self, writer, skill: dict[str, torch.Tensor], spectral: tuple, step: int) -> None:
+        """The skill and spectra figures of the skill channels the data has (rank 0)."""
+        leads = self.lead_hours(self.eval.steps)
+        for channel in [c for c in SKILL_CHANNELS if c in self.channels]:
+            c = self.channels.index(channel)
+            curves = {name: {m: v[:, c].tolist() for m, v in values.items()}
+                      for name, values in {"model": skill, **self.baseline_curves}.items()}
+            writer.image(f"rollout/skill_{channel}", figure_image(skill_panels(leads, curves, channel, step)), step)
+            writer.image(f"rollout/spectra_{channel}",
+                         figure_image(lead_spectra_panel(*spectral, leads, c, channel, step)), step)
