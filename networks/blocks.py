@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from networks.documents import Documents
+
 
 class SequenceRegion(nn.Identity):
     """Identity in a serial model; marks where the sequence is split ('enter'), gathered for the
@@ -46,9 +48,13 @@ class ScaledDotProductAttention(nn.Module):
         super().__init__()
         self.causal, self.dropout = causal, dropout
 
-    def forward(self, q, k, v):
-        """k and v may hold fewer heads than q (grouped-query attention: query head i reads kv head i // r)."""
+    def forward(self, q, k, v, documents: Documents | None = None):
+        """k and v may hold fewer heads than q (grouped-query attention: query head i reads kv head i // r).
+        `documents` (packed rows with `data.attention=document`): attention inside each document only."""
         p = self.dropout if self.training else 0.0
+        if documents is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask(), dropout_p=p,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
@@ -157,7 +163,10 @@ class Attention(nn.Module):
         if self.rotary:
             self.rotary_cos, self.rotary_sin = self.rotary_spec.tables(self.head_dim, device=device)
 
-    def forward(self, x: torch.Tensor, step: DecodeStep | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: DecodeStep | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """`documents`: packed rows (networks/documents.py): rotary at positions reset per document, and the core
+        given them when attention stays inside each document."""
         r = self.q_per_group
         qkv = self.qkv(x).unflatten(-1, (-1, r + 2, self.head_dim))  # (B, N, groups_local, r + 2, hd)
         q = qkv[..., :r, :].flatten(2, 3).transpose(1, 2)  # (B, groups_local * r, N, hd)
@@ -166,9 +175,12 @@ class Attention(nn.Module):
             return self.proj(self._decode(q, k, v, step).transpose(1, 2).flatten(2))  # (B, N, C)
         if self.rotary:
             index = slice(0, q.shape[-2]) if self.positions is None else self.positions.local_positions
+            if documents is not None:  # each token's position in its document: (B, 1, N, head_dim/2) tables
+                index = documents.positions[:, index][:, None]
             cos, sin = self.rotary_cos[index], self.rotary_sin[index]  # (N, head_dim/2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = self.attend(q, k, v)  # (B, h, N, hd)
+        masked = documents is not None and documents.masked  # the core needs them only to mask
+        y = self.attend(q, k, v, documents) if masked else self.attend(q, k, v)  # (B, h, N, hd)
         return self.proj(y.transpose(1, 2).flatten(2))  # (B, N, C)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: DecodeStep) -> torch.Tensor:
@@ -243,8 +255,12 @@ class Block(nn.Module):
         self.norm2 = make_norm(norm, dim, norm_eps)
         self.mlp = MLP(dim, hidden, dropout, bias) if mlp == "gelu" else SwiGLU(dim, hidden, dropout, bias)
 
-    def forward(self, x, step: DecodeStep | None = None):
-        """`step`: generation only (an attention module of another class needs only `attn(x)`)."""
+    def forward(self, x, step: DecodeStep | None = None, documents: Documents | None = None):
+        """`step`: generation only (an attention module of another class needs only `attn(x)`); `documents`:
+        packed rows (networks/documents.py)."""
         h = self.norm1(x)
-        x = x + self.drop(self.attn(h) if step is None else self.attn(h, step))
+        if documents is not None:
+            x = x + self.drop(self.attn(h, documents=documents))
+        else:
+            x = x + self.drop(self.attn(h) if step is None else self.attn(h, step))
         return x + self.mlp(self.norm2(x))

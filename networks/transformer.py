@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks.blocks import MLPS, NORMS, Block, DecodeStep, KVCache, Rotary, SequenceRegion, make_norm
+from networks.documents import Documents, unpack_ids
 from networks.initialization import Init, initialize, linear_rules
 from networks.parallel_plan import BLOCK, ParallelPlan
 from utils import require
@@ -213,8 +214,13 @@ class GPT(nn.Module):
 
     PIPELINE_ENDS = {"embed": ("tok_embed", "pos_embed", "embed_drop", "enter_seq"), "output": ("norm", "lm_head")}
 
-    def __init__(self, cfg: GPTConfig, vocab_size: int):
+    def __init__(self, cfg: GPTConfig, vocab_size: int, documents: str | None = None):
+        """`documents`: None (rows cut from one stream), or rows packed from whole documents whose token ids carry
+        the document starts (networks/documents.py) with 'causal' (positions reset per document) or 'document'
+        attention (also masked to each document)."""
         super().__init__()
+        assert documents in (None, "causal", "document"), documents
+        self.documents = documents
         require(vocab_size > 0, f"the tokenizer has {vocab_size} tokens", "data.tokenizer",
                 "use a corpus and tokenizer with a non-empty vocabulary")
         self.cfg, self.vocab_size = cfg, vocab_size
@@ -260,9 +266,15 @@ class GPT(nn.Module):
         if decode is not None:
             return self._decode(idx, decode)
         x = self.embed(idx)
+        documents = self.read_documents(idx)
         for block in self.blocks.children():  # a pipeline stage keeps some, under their global names
-            x = block(x)
+            x = block(x) if documents is None else block(x, documents=documents)
         return self.output(x)
+
+    def read_documents(self, idx: torch.Tensor) -> Documents | None:
+        """The documents of packed ids `idx` (B, S), None for rows cut from one stream (every stage reads them
+        from the batch's ids: they travel with each micro-batch, distributed/pipeline/)."""
+        return None if self.documents is None else Documents.read(idx, self.documents == "document")
 
     def _decode(self, idx: torch.Tensor, decode: Decoding) -> torch.Tensor:
         positions, mask = decode.step(idx.shape[1])
@@ -274,7 +286,11 @@ class GPT(nn.Module):
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, S) -> the blocks' input (B, S_local, D): the first pipeline stage's part. `positions`
-        (B, S): each token's position (generation); by default 0 .. S-1."""
+        (B, S): each token's position (generation); by default 0 .. S-1, or in its document for packed ids."""
+        if self.documents is not None:
+            idx, starts = unpack_ids(idx)
+            if positions is None and self.pos_embed is not None:
+                positions = Documents(starts, masked=False).positions
         seq_len = idx.shape[1]
         if seq_len > self.cfg.max_positions:
             check_seq_len(self.cfg, seq_len)

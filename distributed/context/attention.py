@@ -41,6 +41,7 @@ from torch import nn
 from distributed.context.layout import ContextShards
 from distributed.context.ring import ring_attention
 from distributed.mappings import all_gather_region, heads_to_sequence, sequence_to_heads
+from networks.documents import Documents
 from utils.comm import AxisGroup
 from utils.schema import CP_VARIANTS
 
@@ -48,18 +49,21 @@ VARIANTS = CP_VARIANTS
 
 
 @torch.compiler.disable
-def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShards, causal: bool) -> torch.Tensor:
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShards, causal: bool,
+          documents: Documents | None = None) -> torch.Tensor:
     """The ring runs eagerly between compiled graphs: its point-to-point hops and the block plan it
     derives from the positions (Python ints) are not traceable. One graph break per attention layer."""
     if not causal:
         return ring_attention(q, k, v, shards.axis, shards.sizes, None)
-    return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions, shards.bounds, shards.chunk)
+    return ring_attention(q, k, v, shards.axis, shards.sizes, shards.positions, shards.bounds, shards.chunk,
+                          documents, "ring")
 
 
 @torch.compiler.disable
-def _hierarchical_ring(q, k, v, outer: AxisGroup, sizes: list[int], positions, bounds) -> torch.Tensor:
+def _hierarchical_ring(q, k, v, outer: AxisGroup, sizes: list[int], positions, bounds,
+                       documents: Documents | None = None) -> torch.Tensor:
     """The ring across the groups runs eagerly, as the flat ring does."""
-    return ring_attention(q, k, v, outer, sizes, positions, bounds)
+    return ring_attention(q, k, v, outer, sizes, positions, bounds, documents=documents, tag="groups")
 
 
 class ContextParallelAttention(nn.Module):
@@ -80,24 +84,31 @@ class ContextParallelAttention(nn.Module):
                     hierarchy: tuple[AxisGroup, AxisGroup] | None = None) -> ContextParallelAttention:
         return cls(shards, core.causal, variant, core.dropout, hierarchy)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """`documents` (packed rows, `data.attention=document`): attention also inside each document, the mask
+        read for each variant's own token layout from the batch's documents (every rank has the full rows)."""
         shards = self.shards
+        assert documents is None or self.causal, "documents are masked in causal models only"
         if self.variant == "ring":
-            return _ring(q, k, v, shards, self.causal)
+            return _ring(q, k, v, shards, self.causal, documents)
         if self.variant == "alltoall":
-            return self._alltoall(q, k, v)
+            return self._alltoall(q, k, v, documents)
         if self.variant == "hierarchical":
-            return self._hierarchical(q, k, v)
+            return self._hierarchical(q, k, v, documents)
         k_all = all_gather_region(k, shards.axis, 2, shards.sizes)  # (B, h, N, d) in rank order
         v_all = all_gather_region(v, shards.axis, 2, shards.sizes)
         mask = None
-        if self.causal:  # query i sees key j iff pos(i) >= pos(j); keys are in rank order
+        if documents is not None:  # (B, 1, N_local, N): causal and inside each document
+            mask = documents.mask(shards.local_positions, shards.rank_order)
+        elif self.causal:  # query i sees key j iff pos(i) >= pos(j); keys are in rank order
             mask = shards.local_positions[:, None] >= shards.rank_order[None, :]
         p = self.dropout if self.training else 0.0  # on a stream per shard: parallelize_context wraps it
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=p,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
-    def _alltoall(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _alltoall(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  documents: Documents | None = None) -> torch.Tensor:
         """Head-sharded attention over the whole sequence between two all-to-alls (see the module doc)."""
         shards, cp = self.shards, self.shards.axis.size
         if k.shape[1] % cp:  # grouped K/V heads that cp does not divide: one copy per query head
@@ -107,20 +118,25 @@ class ContextParallelAttention(nn.Module):
         if order is not None:
             q, k, v = (t.index_select(2, order) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        if documents is not None:  # the whole sequence in order: the documents' block-causal mask (B, 1, N, N)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask(), dropout_p=p,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
         if order is not None:
             out = out.index_select(2, shards.rank_order)
         return heads_to_sequence(out, shards.axis, shards.sizes)
 
-    def _hierarchical(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _hierarchical(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      documents: Documents | None = None) -> torch.Tensor:
         """All-to-all inside the group of nearby ranks, ring across the groups, all-to-all back."""
         inner, outer = self.hierarchy
         members, sizes, positions, bounds = self.shards.groups(inner.size)
         if k.shape[1] % inner.size:  # grouped K/V heads the group does not divide: one copy per query head
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         q, k, v = (sequence_to_heads(t, inner, members) for t in (q, k, v))  # (B, h/a, the group's tokens, d)
-        out = _hierarchical_ring(q, k, v, outer, sizes, positions if self.causal else None, bounds)
+        out = _hierarchical_ring(q, k, v, outer, sizes, positions if self.causal else None, bounds, documents)
         return heads_to_sequence(out, inner, members)
 
     def extra_repr(self) -> str:

@@ -174,12 +174,19 @@ def _kernel_mask(mask: torch.Tensor | None, causal: bool, q: torch.Tensor, nk: i
     return {"bias": mask_bias(mask, q.shape[-2], q.dtype).expand(q.shape[0], q.shape[1], q.shape[-2], nk)}
 
 
+def _kind(q: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> str:
+    """The kernel of a block; a mask per batch row (packed documents, (B, 1, rows, keys)) takes the math path."""
+    if mask is not None and mask.dim() > 2:
+        return "math"
+    return select_kernel(compute_capability(q.device), q.dtype, q.shape[-1], mask is not None and not causal)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
            scale: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of folded query rows q (B, G, group x rows, d) against one K/V block (B, G, nk, d), in the
     compute dtype. `causal`: `mask` is the square causal one (the kernels take it as `is_causal`); another
     mask goes to the efficient kernel as a bias, or to the math path."""
-    kind = select_kernel(compute_capability(q.device), q.dtype, q.shape[-1], mask is not None and not causal)
+    kind = _kind(q, mask, causal)
     if kind == "math":
         return block_attention(q, k, v, mask, scale)
     rows, dtype, heads = q.shape[-2] // group, compute_dtype(q.dtype), _heads(q, group)
@@ -197,7 +204,7 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
                     group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) of one block in the compute dtype: q, dout, out (the global output's rows) in the input
     dtype, delta = rowsum(dO * O) and lse (the global log-sum-exp's rows) in the compute dtype."""
-    kind = select_kernel(compute_capability(q.device), q.dtype, q.shape[-1], mask is not None and not causal)
+    kind = _kind(q, mask, causal)
     dtype = compute_dtype(q.dtype)
     if kind == "math":
         return block_backward(q.to(dtype), k, v, dout.to(dtype), delta, lse, mask, scale)

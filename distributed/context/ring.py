@@ -67,6 +67,7 @@ import torch
 
 from distributed.collectives import ring_shift
 from distributed.context.blocks import attend, attend_backward, block_attention, compute_dtype  # noqa: F401
+from networks.documents import Documents
 from utils.comm import AxisGroup
 
 KV_TAG, GRAD_TAG = 0, 2  # ring_shift tags: K/V and dK/dV are in flight at once (two tensors each)
@@ -123,6 +124,36 @@ def _hop_parts(rank: int, source: int, chunk: int | None, positions, bounds, gro
     return [(None, 0, None, False)] if source < rank else [(1, None, None, False)]
 
 
+def _document_parts(rank: int, source: int, chunk: int | None, positions: list[torch.Tensor], documents: Documents,
+                    group: int, tag: str) -> list[Part]:
+    """`_hop_parts` with packed documents (`documents.masked`): the block's mask is causal and inside each document
+    (per batch row, (B, 1, rows, keys)), so a block or chunk pair where no query sees a key of its own document
+    is skipped, one where every pair is visible runs without a mask. The balanced layout is cut by chunk pair
+    (each pair skipped or kept on its own), any other layout taken as whole blocks. Made once per batch and
+    block (a host read of the mask), for every layer and the backward (`documents.cache`)."""
+    key = (tag, rank, source, chunk, group)
+    if key not in documents.cache:
+        full = documents.mask(positions[rank], positions[source])[:, 0]  # (B, nq, nk)
+        spans = [(None, None, full)] if chunk is None else [
+            (r, c, full[:, r * chunk:(r + 1) * chunk, c * chunk:(c + 1) * chunk]) for r in (0, 1) for c in (0, 1)]
+        documents.cache[key] = [(rows, keys, None if bool(m.all()) else m.repeat(1, group, 1)[:, None], False)
+                                for rows, keys, m in spans if bool(m.any())]
+    return documents.cache[key]
+
+
+def ring_work(rank: int, sizes: list[int], positions: list[torch.Tensor] | None, chunk: int | None = None,
+              documents: Documents | None = None) -> int:
+    """Query-key pairs rank `rank` scores over the ring's cp hops, per batch row and head: the score-block work
+    the plan computes (`_hop_parts`, or `_document_parts` with documents) after skipping."""
+    bounds, total = position_bounds(positions, sizes), 0
+    for source in range(len(sizes)):
+        parts = _document_parts(rank, source, chunk, positions, documents, 1, "work") if documents is not None \
+            else _hop_parts(rank, source, chunk, positions, bounds, 1, "cpu")
+        total += sum((sizes[rank] if rows is None else chunk) * (sizes[source] if keys is None else chunk)
+                     for rows, keys, _, _ in parts)
+    return total
+
+
 @functools.lru_cache(maxsize=16)
 def _causal_mask(chunk: int, group: int, device: str) -> torch.Tensor:
     """The own block's diagonal chunks' causal mask (made once per shape), rows repeated per folded head."""
@@ -150,7 +181,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
                 positions: list[torch.Tensor] | None, bounds: list[tuple[int, int] | None], group: int,
-                chunk: int | None) -> torch.Tensor:
+                chunk: int | None, documents: Documents | None, tag: str) -> torch.Tensor:
         cp, rank, scale = axis.size, axis.rank, q.shape[-1] ** -0.5
         positions = None if positions is None else [p.to(q.device) for p in positions]
         dtype = compute_dtype(q.dtype)
@@ -164,8 +195,8 @@ class _RingAttention(torch.autograd.Function):
             for step in range(cp):
                 if step < cp - 1:  # start the next block's transfer, then compute on this one
                     arriving = ring_shift(kv, axis, _shapes(k, v, sizes[(rank - step - 1) % cp]), KV_TAG)
-                for rows, keys, mask, causal in _hop_parts(rank, (rank - step) % cp, chunk, positions, bounds, group,
-                                                           q.device):
+                for rows, keys, mask, causal in _parts(rank, (rank - step) % cp, chunk, positions, bounds, group,
+                                                       q.device, documents, tag):
                     part = attend(_take(q, group, rows), _keys(kv[0], keys, chunk), _keys(kv[1], keys, chunk),
                                   mask, causal, scale, group)
                     if rows is None:
@@ -180,7 +211,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.axis, ctx.sizes, ctx.positions, ctx.bounds, ctx.scale = axis, sizes, positions, bounds, scale
-        ctx.group, ctx.chunk = group, chunk
+        ctx.group, ctx.chunk, ctx.documents, ctx.tag = group, chunk, documents, tag
         return out
 
     @staticmethod
@@ -196,7 +227,8 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv_arriving = ring_shift(kv, ctx.axis, _shapes(k, v, ctx.sizes[upstream]), KV_TAG)
             dk, dv = (t.new_zeros(t.shape, dtype=dtype) for t in kv)
-            for rows, keys, mask, causal in _hop_parts(rank, source, chunk, ctx.positions, ctx.bounds, group, q.device):
+            for rows, keys, mask, causal in _parts(rank, source, chunk, ctx.positions, ctx.bounds, group, q.device,
+                                                   ctx.documents, ctx.tag):
                 dq_part, dk_part, dv_part = attend_backward(
                     _take(q, group, rows), _keys(kv[0], keys, chunk), _keys(kv[1], keys, chunk),
                     *(_take(t, group, rows) for t in (dout, out, delta, lse)), mask, causal, ctx.scale, group)
@@ -213,7 +245,14 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv = kv_arriving()
         dk, dv = grads_arriving()  # this rank's own block, summed over every rank's queries
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 8
+
+
+def _parts(rank, source, chunk, positions, bounds, group, device, documents, tag) -> list[Part]:
+    """The block plan against rank `source`'s K/V: by positions alone, or with the documents' mask."""
+    if documents is None:
+        return _hop_parts(rank, source, chunk, positions, bounds, group, device)
+    return _document_parts(rank, source, chunk, positions, documents, group, tag)
 
 
 def position_bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> list[tuple[int, int] | None]:
@@ -228,7 +267,8 @@ def position_bounds(positions: list[torch.Tensor] | None, sizes: list[int]) -> l
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, sizes: list[int],
                    positions: list[torch.Tensor] | None,
-                   bounds: list[tuple[int, int] | None] | None = None, chunk: int | None = None) -> torch.Tensor:
+                   bounds: list[tuple[int, int] | None] | None = None, chunk: int | None = None,
+                   documents: Documents | None = None, tag: str = "ring") -> torch.Tensor:
     """Exact softmax attention (scale 1/sqrt(d)) of this rank's queries to the keys of every cp rank.
 
     q, k, v: this rank's shards (B, h, n_r, d), n_r = sizes[axis.rank] (k and v may have h/r heads:
@@ -237,8 +277,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis
     iff pos_q[i] >= pos_k[j]). `bounds`: `position_bounds(positions, sizes)` when the caller keeps them
     (computed here otherwise: on a GPU that reads the positions back, a sync). `chunk`: the positions are
     the balanced causal layout with equal chunks of `chunk` tokens (rank r: chunks r and 2cp-1-r), computed
-    by chunk pair with no wasted pair (module doc). Returns (B, h, n_r, d) in q's dtype; differentiable in
-    q, k and v.
+    by chunk pair with no wasted pair (module doc). `documents` (packed rows, `documents.masked`): attention also
+    inside each document, `positions` then being the sequence positions of each rank's tokens in the batch's rows
+    (`_document_parts`; `tag` names the layout in the documents' plan cache). Returns (B, h, n_r, d) in q's dtype;
+    differentiable in q, k and v.
     """
     assert len(sizes) == axis.size and q.shape[-2] == k.shape[-2] == v.shape[-2] == sizes[axis.rank], \
         f"sizes {sizes} do not match the local length {q.shape[-2]} on rank {axis.rank} of {axis.name}"
@@ -249,5 +291,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis
     assert k.shape[1] * group == heads, f"{heads} query heads cannot read {k.shape[1]} key/value heads"
     q = q.unflatten(1, (k.shape[1], group)).flatten(2, 3)  # (B, h/r, r x n_r, d): a group's queries in a row
     assert chunk is None or (positions is not None and all(n == 2 * chunk for n in sizes)), "chunks must be equal"
-    out = _RingAttention.apply(q, k, v, axis, list(sizes), positions, bounds, group, chunk)
+    assert documents is None or positions is not None, "documents need the positions of each rank's tokens"
+    out = _RingAttention.apply(q, k, v, axis, list(sizes), positions, bounds, group, chunk, documents, tag)
     return out.unflatten(2, (group, n)).flatten(1, 2)  # (B, h, n_r, d)

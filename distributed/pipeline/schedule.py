@@ -78,9 +78,11 @@ class Pipeline:
             stage.reset_busy()
             stage.submod.length = length
         start = _mark(self.grid.device)
+        packed = getattr(self.model, "documents", None) is not None  # every stage reads the documents of the ids
         for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
             args = (x,) if self.has_first else ()
-            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
+            kwargs = {"ids": x} if packed else {}  # split into micro-batches with the inputs
+            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False, **kwargs)
         self._timings.append(([s.take_busy() for s in self.stages], start, _mark(self.grid.device)))
         loss = torch.stack(self.losses).sum() if self.losses else torch.zeros((), device=self.grid.device)
         idle = torch.tensor(self._finished_idle(), device=loss.device)
@@ -188,7 +190,8 @@ class PipelineForward:
             if s > 0 and plan.stage_rank(s - 1) != me:  # the sender's stage checked its output against these
                 carry = recv(stage.activation_shape(x.shape[0], self._device), stage.activation_dtype, self._device,
                              self._pp, plan.stage_rank(s - 1))
-            carry = stage(x if s == 0 else carry)
+            packed = getattr(self._model, "documents", None) is not None
+            carry = stage(x if s == 0 else carry, **({"ids": x} if packed else {}))
             if stage.is_last:
                 out = carry
             elif plan.stage_rank(s + 1) != me:

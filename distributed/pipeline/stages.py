@@ -121,14 +121,17 @@ class StageModule(nn.Module):
         model = self._model[0]
         return batch, enter_regions(model, self.length, device), model.cfg.embed_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`ids`: the micro-batch's token ids, given to every stage when the rows are packed documents (each
+        stage reads their document structure, `read_documents`, as the whole model does)."""
         model = self._model[0]
         shape = self.activation_shape(x.shape[0], x.device)
+        documents = None if ids is None else model.read_documents(ids)
         with self.autocast():
             if self.is_first:
                 x = getattr(model, self.first_part)(x)
             for block in self.blocks.values():
-                x = block(x)
+                x = block(x) if documents is None else block(x, documents=documents)
             if self.is_last:
                 return getattr(model, self.last_part)(x)
         if x.dtype != self.activation_dtype or tuple(x.shape) != shape:

@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 from utils import ConfigError, require
 from utils.data.cache import cache_folders, cached
 from utils.data.corpus import ensure_sample_corpus
+from utils.data.packing import PackedDocumentDataset, check_packing, document_starts
 from utils.data.tokenizers import (
     AnyTokenizer,
     BPETokenizer,
@@ -71,6 +72,8 @@ class WikiTextConfig:
     limit_eval_tokens: int | None = None  # use only the first N validation/test tokens (None = all)
     cache_dir: str | None = None  # cache for tokenizer and ids when the data folder is read-only (None = user cache)
     sample_tokens: int = 24  # greedy tokens per fixed prompt that each validation writes to TensorBoard (0: none)
+    packing: str = "concat"  # concat | documents: rows cut from one stream or of whole articles (utils/data/packing.py)
+    attention: str = "causal"  # causal | document: over the whole row, or inside each document (packing=documents)
 
     def __post_init__(self):
         require(self.kind == "wikitext", f"kind {self.kind!r} is not wikitext", "data.kind",
@@ -83,6 +86,7 @@ class WikiTextConfig:
             pretrained_file(self.tokenizer)  # a path: it must exist now, not after the corpus is read
         require(260 <= self.bpe_vocab_size <= 1_000_000, f"bpe_vocab_size {self.bpe_vocab_size} out of range",
                 "data.bpe_vocab_size", "use 260 (256 bytes + specials) to 1000000 tokens, e.g. 8192")
+        check_packing(self.packing, self.attention)
         require(self.seq_len > 0, f"seq_len must be positive, got {self.seq_len}", "data.seq_len",
                 "set a positive number of tokens")
         require(self.sample_tokens >= 0, f"sample_tokens must be >= 0, got {self.sample_tokens}", "data.sample_tokens",
@@ -214,6 +218,16 @@ def load_ids(tokenizer: AnyTokenizer, tokenizer_name: str, source: SplitSource, 
     return np.load(cached(name, folders, build), mmap_mode="r")
 
 
+def load_starts(tokenizer: AnyTokenizer, tokenizer_name: str, source: SplitSource, split: Split, ids: np.ndarray,
+                folders: list[Path]) -> np.ndarray:
+    """int64 token offsets where the split's documents start (utils/data/packing.py), found once and cached."""
+    def build(path: Path) -> None:
+        with open(path, "wb") as f:
+            np.save(f, document_starts(ids, nonempty_lines(source), tokenizer.eos_id))
+
+    return np.load(cached(f"{split}-{source.fingerprint()}.{tokenizer_name}.starts.npy", folders, build))
+
+
 # ----------------------------------------------------------------------------------- samples, metrics
 class LMBlockDataset(Dataset):
     """Non-overlapping blocks of a token stream: item i = (ids[i*S : i*S+S], ids[i*S+1 : i*S+S+1]), int64."""
@@ -253,13 +267,15 @@ class WikiTextCorpus:
     train: np.ndarray
     valid: np.ndarray
     test: np.ndarray
+    starts: dict[str, np.ndarray] | None = None  # data.packing=documents: each split's document starts
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    def dataset(self, split: Split, seq_len: int) -> LMBlockDataset:
-        return LMBlockDataset(getattr(self, split), seq_len, split)
+    def dataset(self, split: Split, seq_len: int) -> LMBlockDataset | PackedDocumentDataset:
+        blocks = LMBlockDataset(getattr(self, split), seq_len, split)
+        return blocks if self.starts is None else PackedDocumentDataset(blocks, self.starts[split])
 
     @functools.cached_property
     def unigram_ppl(self) -> float:
@@ -279,4 +295,6 @@ def load_wikitext(cfg: WikiTextConfig) -> WikiTextCorpus:
     tokenizer, tokenizer_name = load_tokenizer(cfg, sources["train"], folders)
     ids = {s: load_ids(tokenizer, tokenizer_name, sources[s], s, folders) for s in SPLITS}
     limits = {"train": cfg.limit_train_tokens, "valid": cfg.limit_eval_tokens, "test": cfg.limit_eval_tokens}
-    return WikiTextCorpus(folder, tokenizer, **{s: ids[s][:limits[s]] for s in SPLITS})
+    starts = None if cfg.packing == "concat" else {
+        s: load_starts(tokenizer, tokenizer_name, sources[s], s, ids[s], folders) for s in SPLITS}
+    return WikiTextCorpus(folder, tokenizer, **{s: ids[s][:limits[s]] for s in SPLITS}, starts=starts)

@@ -53,6 +53,10 @@ class LanguageTask:
         require(data.seq_len % (2 * cp) == 0, f"data.seq_len={data.seq_len} is not a multiple of 2 x parallel.cp="
                 f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
                 f"use a multiple of {2 * cp}")
+        require(getattr(data, "packing", "concat") == "concat" or not cfg.precision.compile,
+                "packed documents with precision.compile=true (the blocks take the batch's documents, which "
+                "torch.compile would guard on per batch)",
+                "precision.compile", "set precision.compile=false or data.packing=concat")
 
     def __init__(self, data: WikiTextConfig | TokensConfig, model_cfg: GPTConfig,
                  task: LanguageTaskConfig | None = None, build=None):
@@ -86,7 +90,12 @@ class LanguageTask:
         return True
 
     def build_model(self) -> nn.Module:
-        return self.build(self.model_cfg, self)
+        model = self.build(self.model_cfg, self)
+        if getattr(self.cfg, "packing", "concat") == "documents":  # rows carry their documents (networks/documents.py)
+            require(hasattr(model, "read_documents"), f"{type(model).__name__} does not read packed documents",
+                    "data.packing", "set data.packing=concat or use a GPT or Llama model")
+            model.documents = self.cfg.attention
+        return model
 
     def example_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch_size, self.cfg.seq_len)
