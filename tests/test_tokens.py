@@ -265,13 +265,16 @@ def test_resident_memory_stays_bounded_on_larger_shards(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_py_on_shards(twins, tmp_path):
-    """train.py with data=tokens: the preset composes, the run trains, its losses are finite."""
+def test_train_py_on_shards_equals_the_wikitext_run(twins, tokenizer, tmp_path):
+    """train.py with data=tokens trains exactly as data=wikitext does on the same text and tokenizer: the
+    preset composes, the rows and their order are the WikiText reader's, so the loss curves are equal."""
     base, _, _ = twins
-    args = ["model=gpt_tiny", "data=tokens", f"data.root={base / 'shards'}", "data.valid_fraction=0.1",
-            "data.seq_len=16", "data.sample_tokens=0", "trainer.global_batch_size=8", "model.embed_dim=64", *QUIET,
-            "trainer.log_every=1"]
-    proc = run_entry("train.py", *args, f"run.dir={tmp_path / 'a'}", "trainer.max_steps=4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [v for _, v in read_scalars(tmp_path / "a")["train/loss"]]
-    assert len(losses) == 4 and all(np.isfinite(losses))
+    common = ["model=gpt_tiny", "data.seq_len=16", "data.sample_tokens=0", "trainer.global_batch_size=8",
+              "model.embed_dim=64", *QUIET, "trainer.log_every=1", "trainer.max_steps=4"]
+    curves = []
+    for name, data in (("tokens", ["data=tokens", f"data.root={base / 'shards'}", "data.valid_fraction=0.1"]),
+                       ("wikitext", ["data=wikitext", f"data.root={base / 'wiki'}", f"data.tokenizer={tokenizer}"])):
+        proc = run_entry("train.py", *common, *data, f"run.dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        curves.append([v for _, v in read_scalars(tmp_path / name)["train/loss"]])
+    assert len(curves[0]) == 4 and all(np.isfinite(curves[0])) and curves[0] == curves[1], curves
