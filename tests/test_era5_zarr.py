@@ -172,3 +172,17 @@ def test_the_project_imports_without_xarray():
     code = ("import sys; import train, utils.tasks.weather, utils.data.era5_zarr, utils.data.stats; "
             "assert 'xarray' not in sys.modules and 'zarr' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_forecast_init_times_are_the_stores_datetimes(ascending):
+    """The forecast dataset's `time` coordinate (utils/forecast/outputs.py) is the store's time of each initial
+    time, not a count of steps from 1970."""
+    from types import SimpleNamespace
+
+    from utils.forecast.outputs import init_times
+
+    reader = pickle.loads(pickle.dumps(config(ascending).open("valid")))
+    got = init_times(SimpleNamespace(reader=reader, starts=[(0, 0), (0, 3), (0, 7)]))
+    want = xr.open_zarr(ascending).time.sel(time=slice(*SPLITS["valid"])).values[[0, 3, 7]]
+    np.testing.assert_array_equal(got, want.astype("datetime64[ns]"))
+    assert str(got[1]).startswith("2016-01-07T18")

@@ -169,7 +169,7 @@ class ZarrReader:
                 "choose a range without gaps")
         step = steps[0] if len(steps) else np.diff(times[:2])[0] if len(times) > 1 else np.timedelta64(6, "h")
         self.hours_per_step = float(step / np.timedelta64(1, "h"))
-        self._first, self.segment_lengths = int(lo), [int(hi - lo)]
+        self._first, self.segment_lengths, self._start = int(lo), [int(hi - lo)], times[lo]
         self._bounds = (str(times[lo])[:16], str(times[hi - 1])[:16])
 
     def _select_channels(self, dataset, variables: list[str]) -> None:
@@ -259,6 +259,10 @@ class ZarrReader:
 
     def segment_name(self, segment: int) -> str:
         return f"{self.path} {self.split} times [{self._bounds[0]}, {self._bounds[1]}]"
+
+    def segment_start(self, segment: int) -> np.datetime64:
+        """The store's time of the segment's first field (forecast datasets' init times: utils/forecast/)."""
+        return self._start
 
     def describe(self) -> str:
         return f"{self.path} ({self.split} {self._bounds[0]} to {self._bounds[1]}, every {self.hours_per_step:g} h)"
