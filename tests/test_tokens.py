@@ -9,6 +9,7 @@ resident memory on shards several times larger than the bound, measured in a pro
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -201,6 +202,8 @@ def test_reader_serves_what_the_wikitext_reader_serves(twins):
         assert len(ours) == len(theirs) > 4
         for i in range(len(ours)):
             assert all(a.equal(b) for a, b in zip(ours[i], theirs[i]))
+    copy = pickle.loads(pickle.dumps(ours))  # as data-loader workers get it: after reads, without the mappings
+    assert not copy.tokens.maps and ours.tokens.maps and all(a.equal(b) for a, b in zip(copy[3], theirs[3]))
 
 
 def batches(dataset, dp_rank: int, dp: int, start_step: int, steps: int) -> list:
