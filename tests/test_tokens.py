@@ -281,3 +281,12 @@ def test_train_py_on_shards_equals_the_wikitext_run(twins, tokenizer, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         curves.append([v for _, v in read_scalars(tmp_path / name)["train/loss"]])
     assert len(curves[0]) == 4 and all(np.isfinite(curves[0])) and curves[0] == curves[1], curves
+
+
+@pytest.mark.parametrize("args,setting", [(["data.root=/nonexistent"], "data.root"),
+                                          (["data.valid_fraction=1.5"], "data.valid_fraction"),
+                                          (["data.verify=never"], "data.verify"),
+                                          (["data.packing=documents"], "data.packing")])
+def test_train_py_refuses_bad_token_settings(args, setting, tmp_path):
+    code, _, err = run_main("train.py", "model=gpt_tiny", "data=tokens", f"run.dir={tmp_path}", *args)
+    assert code == 2 and err.startswith("error: ") and f"({setting})" in err and "Traceback" not in err, err
