@@ -15,7 +15,7 @@ from tests.rank_pool import run_entry_ranks
 from utils.tasks.forecast import cell_area_weights, skill, skill_sums
 
 ROLLOUT = [*QUIET, "trainer.max_steps=1", "task.eval.every=1", "task.eval.steps=3",
-           "task.eval.inits=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4"]
+           "task.eval.inits=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4", "task.eval.members=2"]
 
 
 def test_cell_area_weights_are_wb2s():
@@ -98,7 +98,11 @@ def test_a_rollout_logs_model_and_baselines_per_channel_and_lead(single):
     assert not any(tag.startswith("rollout/") and "/24h" in tag for tag in scalars)  # 3 steps of 6 h
     persistence = [scalars[f"baseline/persistence/rmse/u10m/{h}h"] for h in (6, 12, 18)]
     assert persistence == sorted(persistence)  # persistence degrades with lead on these waves
-    assert {"rollout/skill_u10m", "rollout/skill_t2m", "rollout/skill_z500"} <= set(read_tags(single)["images"])
+    images = set(read_tags(single)["images"])
+    assert {f"rollout/{kind}_{c}" for kind in ("skill", "spectra") for c in ("u10m", "t2m", "z500")} <= images
+    for lead in ("6h", "12h", "18h"):  # the spectra's blurring figure and the ensemble of task.eval.members=2
+        assert {f"rollout/{m}/u10m/{lead}" for m in ("blurring", "crps", "spread_skill")} <= set(scalars)
+    assert 0 < scalars["rollout/blurring/u10m/6h"] < 10 and scalars["rollout/crps/u10m/18h"] > 0
 
 
 @pytest.mark.parametrize("layout", [
