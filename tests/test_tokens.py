@@ -44,11 +44,11 @@ def tokenizer(tmp_path_factory, corpus_root) -> Path:
 
 
 def write_inputs(folder: Path, lines: list[str]) -> dict[str, list[str]]:
-    """A text file (blank-line blocks, some of several lines), a parquet file and arrow files in both IPC
-    formats; returns each file's documents as prepare must read them."""
+    """A text file (blank-line blocks, some of several lines, a byte-order mark), a parquet file and arrow files
+    in both IPC formats; returns each file's documents as prepare must read them."""
     folder.mkdir(parents=True, exist_ok=True)
     text_docs = [lines[i] if i % 3 else f"{lines[i]}\n  {lines[i + 1]}" for i in range(0, 60, 2)]
-    (folder / "a.txt").write_text("\n\n\n".join(text_docs) + "\n", encoding="utf-8")
+    (folder / "a.txt").write_text("\n\n\n".join(text_docs) + "\n", encoding="utf-8-sig")  # with a byte-order mark
     rows = lines[60:100]
     table = pa.table({"id": list(range(len(rows) + 2)), "text": rows[:20] + [None, "  "] + rows[20:]})
     pq.write_table(table, folder / "b.parquet", row_group_size=7)
@@ -159,6 +159,9 @@ def test_reader_refuses_missing_corrupt_or_damaged_shards(prepared, tmp_path):
     load_tokens(TokensConfig(root=str(out), verify="size"))  # sizes only: the flipped bit passes
     (out / "00002.tokens").write_bytes(bytes(damaged[:-2]))
     assert "the index says" in str(reader_error(out, verify="size"))
+    shutil.copy(base / "out" / "00002.tokens", out / "00002.tokens")
+    (out / "00000.docs.npy").write_bytes((out / "00000.docs.npy").read_bytes()[:-8])
+    assert "document starts of 00000.tokens" in str(reader_error(out, verify="size"))
     (out / "index.json").write_text('{"format": "dlscale-tokens", "version": 1, "shards": [')
     assert "cannot read" in str(reader_error(out))
 

@@ -55,7 +55,7 @@ class Job:
 def text_documents(path: Path) -> Iterator[str]:
     """The blank-line-separated blocks of a text file, stripped."""
     lines: list[str] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is not text
         for line in f:
             if line.strip():
                 lines.append(line.rstrip("\n"))

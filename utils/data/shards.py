@@ -36,6 +36,9 @@ FAULT_AROUND = 2 * (2 << 20)
 PREPARE = "write it with python -m utils.data.prepare INPUT... --tokenizer DIR --out DIR (docs/configuration.md)"
 
 
+DTYPES = ("uint16", "uint32")
+
+
 def dtype_for(vocab_size: int) -> str:
     """The narrowest shard dtype holding ids 0..vocab_size-1."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
@@ -131,7 +134,7 @@ def read_index(root: Path, setting: str = "data.root") -> Index:
         tokenizer, shards = data["tokenizer"], data["shards"]
         ok = ok and all(k in tokenizer for k in ("vocab_size", "eos_id", "fingerprint")) and len(shards) > 0
         fields = ("tokens_file", "documents_file", "num_documents", "num_tokens", "dtype", "sha256", "documents_sha256")
-        ok = ok and all(k in s for s in shards for k in fields)
+        ok = ok and all(k in s for s in shards for k in fields) and all(s["dtype"] in DTYPES for s in shards)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
         raise ConfigError(f"cannot read {file} ({err})", setting, "prepare the folder again: " + PREPARE) from None
     require(ok, f"{file} is not a complete {FORMAT} index of version {VERSION}", setting,
@@ -140,7 +143,8 @@ def read_index(root: Path, setting: str = "data.root") -> Index:
 
 
 def check_shards(index: Index, checksum: bool, setting: str = "data.root") -> None:
-    """Every shard's files exist with the sizes the index gives; with `checksum`, their sha256 match too."""
+    """Every shard's files exist with the sizes and document counts the index gives; with `checksum`, their
+    sha256 match too."""
     for i, shard in enumerate(index.shards):
         tokens, docs = index.path(i), index.path(i, "documents_file")
         size = shard["num_tokens"] * np.dtype(shard["dtype"]).itemsize
@@ -148,6 +152,13 @@ def check_shards(index: Index, checksum: bool, setting: str = "data.root") -> No
                 "prepare the folder again: " + PREPARE)
         require(tokens.stat().st_size == size, f"shard {tokens} has {tokens.stat().st_size} bytes, the index "
                 f"says {size}", setting, "prepare the folder again (a rerun redoes only the damaged shards)")
+        try:
+            starts = np.load(docs, mmap_mode="r")
+            ok = starts.shape == (shard["num_documents"] + 1,) and int(starts[-1]) == shard["num_tokens"]
+        except (OSError, ValueError, EOFError):
+            ok = False
+        require(ok, f"{docs} does not hold the {shard['num_documents']} document starts of {tokens.name}", setting,
+                "prepare the folder again (a rerun redoes only the damaged shards)")
         if checksum:
             for file, key in ((tokens, "sha256"), (docs, "documents_sha256")):
                 require(sha256_file(file) == shard[key], f"the checksum of {file} does not match {INDEX}", setting,
