@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from utils import ConfigError
-from utils.data.era5 import ERA5Config, ERA5Dataset, latitude_weights
+from utils.data.era5 import ERA5Config, ERA5Dataset
 from utils.data.era5_synthetic import ensure_synthetic
 
 C, H, W = 3, 12, 20
@@ -78,14 +78,6 @@ def test_truncated_and_missing_files_are_rejected(tmp_path):
     (root / "stats" / "global_stds.npy").unlink()
     with pytest.raises(ConfigError, match="global_stds"):
         ERA5Dataset(root, "valid", cfg(), None)
-
-
-def test_latitude_weights_mean_one_and_largest_at_equator():
-    w = latitude_weights(361)
-    assert w.shape == (361, 1)
-    torch.testing.assert_close(w.mean(), torch.tensor(1.0))
-    assert w[180] == w.max() and w[180] > w[10] > w[0]
-    assert w[0].item() == pytest.approx(0.0, abs=1e-6) and w[-1].item() == pytest.approx(0.0, abs=1e-6)  # poles
 
 
 def test_synthetic_is_deterministic_and_in_layout(tmp_path):

@@ -37,10 +37,12 @@ class Recorder:
 
 def expected_rmse(pairs: list[tuple[np.ndarray, np.ndarray]], weighted: bool) -> np.ndarray:
     """Mean over samples of sqrt(mean over the grid of w(lat) * error^2), per channel, in float64 numpy;
-    w = cos(latitude) normalized to mean 1, rows from the north pole (90) to the south pole (-90)."""
+    w = the area of each row's cell normalized to mean 1: the synthetic grid's rows are cells of 180 / H degrees
+    from the north pole to the south pole (centres 87.19 to -87.19 on 32 rows, not 90 to -90)."""
     num_lat = pairs[0][0].shape[-2]
-    lat = np.deg2rad(90.0 - np.arange(num_lat) * 180.0 / (num_lat - 1))
-    w = np.cos(lat) / np.cos(lat).mean() if weighted else np.ones(num_lat)
+    bounds = np.deg2rad(90.0 - np.arange(num_lat + 1) * 180.0 / num_lat)
+    area = np.sin(bounds[:-1]) - np.sin(bounds[1:])
+    w = area / area.mean() if weighted else np.ones(num_lat)
     per_sample = [np.sqrt((w[:, None] * (x - y) ** 2).mean(axis=(-2, -1))) for x, y in pairs]
     return np.mean(per_sample, axis=0)
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import torch
 
 from utils import ConfigError, require
 from utils.data import era5_synthetic
@@ -211,12 +210,3 @@ class ERA5Dataset(FieldPairs):
     @property
     def _handles(self) -> dict:
         return self.reader._handles
-
-
-def latitude_weights(num_lat: int) -> torch.Tensor:
-    """cos(latitude) weights normalized to mean 1, shape (num_lat, 1), as the seed's weighted RMSE (validation's
-    val/rmse/<channel>, whatever the data): row j of the crop sits at latitude 90 - j * 180 / (num_lat - 1), north
-    pole first. The forecast skill and the weighted losses use the data's own latitudes (utils/data/fields.py)."""
-    j = torch.arange(num_lat, dtype=torch.float64)
-    w = torch.cos(torch.deg2rad(90.0 - j * 180.0 / max(1, num_lat - 1)))
-    return (w / w.mean()).float().unsqueeze(-1)

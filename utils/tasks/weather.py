@@ -20,9 +20,9 @@ from distributed.pipeline.schedule import from_last_stage
 from networks.vit import ViTConfig
 from utils import require
 from utils.comm import Grid
-from utils.data.era5 import ERA5Config, latitude_weights
+from utils.data.era5 import ERA5Config
 from utils.data.era5_zarr import ERA5ZarrConfig
-from utils.data.fields import FieldPairs
+from utils.data.fields import FieldPairs, cell_area_weights
 from utils.tasks.ensemble import ensemble_skill
 from utils.tasks.figures import field_panels, figure_image, lead_spectra_panel, skill_panels
 from utils.tasks.forecast import Rollouts, rollout_skill
@@ -131,7 +131,7 @@ class WeatherTask:
         self.channels = list(data.channels)
         self.train_set = self.val_set = self.rollouts = None
         self.loss_weights = np.ones((len(self.channels), 1, 1), np.float32)  # without data (planner): shapes only
-        self.lat_weights = latitude_weights(data.img_size[0])  # the seed's val/rmse (rows taken as 90 to -90)
+        self.lat_weights = torch.ones(data.img_size[0], 1)  # val/rmse's, from the data's latitudes in load_data
         self.baselines_logged, self.baseline_curves = False, {}
 
     def load_data(self) -> None:
@@ -140,6 +140,7 @@ class WeatherTask:
         self.train_set = FieldPairs(data.open("train"), data.dt, data.limit_nsamples, self.train_horizon)
         self.val_set = FieldPairs(data.open("valid"), data.dt, data.limit_nsamples_val)
         reader = self.val_set.reader
+        self.lat_weights = cell_area_weights(reader.latitudes).float()  # the rows' true latitudes, as WB2's
         if self.settings.loss != "relative_l2":
             self.loss_weights = loss_table(self.settings.loss, reader.channels, reader.latitudes,
                                            self.settings.variable_weights)
@@ -197,7 +198,8 @@ class WeatherTask:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
                  writer, step: int) -> dict[str, float]:
-        """val/loss and latitude-weighted val/rmse/<channel>, reduced over dp; an image of u10m.
+        """val/loss and latitude-weighted val/rmse/<channel> (normalised units, the cell-area weights of the
+        data's latitudes, the root per sample as the seed's), reduced over dp; an image of u10m.
 
         Under pipeline parallelism `model` is the forward pass through the stages: the predictions exist
         on the last stage's ranks, whose sums the reduction over dp x pp adds (the others add zeros)."""
