@@ -27,6 +27,10 @@ only when their group size does not divide its heads).
   cp-1, each the size of a flat ring's hop (h/a heads of a times the tokens). The ring runs the generic
   position-masked blocks (a group's tokens span both halves of the balanced layout).
 
+With packed documents (`data.attention=document`) each variant takes the batch's `Documents` (every rank holds the
+full rows before the split) and masks by document at its own positions: all-gather its queries against every key
+in rank order, all-to-all the whole sequence in order, the rings per block (distributed/context/ring.py).
+
 Each returns exactly what single-process attention gives for this rank's queries. Under torch.compile
 `allgather` and `alltoall` trace into the block's one graph; `ring` (and the hierarchical variant's ring)
 runs eagerly between two graphs of the block.

@@ -35,6 +35,13 @@ against its first chunk only, 2c^2, no mask; from a higher rank: the second loca
 of it, 2c^2, no mask. Per rank (2cp + 1) x c^2 pairs, 1/cp of the full causal attention's (2cp c)^2 / 2
 plus the diagonal chunks' share, the same on every rank; the bytes do not change.
 
+Packed documents (`data.attention=document`, networks/documents.py): a query also sees only keys of its own
+document, boundaries anywhere in a shard. Each hop's block is then planned from the batch's documents
+(`_document_parts`): the balanced layout by chunk pair, each pair skipped when no query of any row sees a key of
+its document there, run without a mask when every pair is visible, else with the (B, 1, rows, keys) mask; the plan
+is made once per batch (one host read) and shared by every layer and the backward. `ring_work` counts the pairs
+a rank scores; docs/measurements.md has them for WikiText-like documents before and after this skipping.
+
 Precision: fp16/bf16 inputs are upcast per block and every sum (output, LSE, dQ, dK, dV) is float32,
 under torch.autocast too (the forward turns it off: the blocks compute as written, as the backward does);
 float32/float64 inputs compute natively. The output and gradients come back in the input dtype. Each
