@@ -76,10 +76,11 @@ LLAMA_LAYOUTS = ["tp4", "cp2", "cp4_alltoall", "pp2tp2", "fsdp_dp2"]  # tp2, tp2
 
 def curves(run_dir):
     """(train/loss, train/grad_norm) per step (the norm checks the sharded-gradient reduction too), and
-    the final val/loss (validation's forward and its reduction)."""
+    the final val/loss (validation's forward and its reduction) and, for the language model, val/bpb (its
+    byte counts reduced like the loss)."""
     scalars = read_scalars(run_dir)
-    return ([v for _, v in scalars["train/loss"]], [v for _, v in scalars["train/grad_norm"]],
-            [v for _, v in scalars["val/loss"]])
+    tags = ["train/loss", "train/grad_norm", "val/loss"] + (["val/bpb"] if "val/bpb" in scalars else [])
+    return tuple([v for _, v in scalars[tag]] for tag in tags)
 
 
 def run_layout(tmp_path, name, workload, *args):
@@ -93,6 +94,7 @@ def run_layout(tmp_path, name, workload, *args):
 
 
 def assert_same_curve(reference, other):
+    assert len(reference) == len(other)
     for ref, got in zip(reference, other):
         assert len(ref) == len(got) and len(ref) in (1, STEPS)
         assert got == pytest.approx(ref, rel=1e-4)

@@ -1,4 +1,5 @@
-"""The WikiText workload: next-token prediction with the decoder-only Transformer, validated by perplexity."""
+"""The WikiText workload: next-token prediction with the decoder-only Transformer, validated by perplexity and
+bits per byte."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from distributed.collectives import all_reduce_
 from networks.transformer import GPTConfig, check_seq_len, padded_vocab_size
 from utils import require
 from utils.comm import Axis, Grid
+from utils.data.token_bytes import token_bytes
 from utils.data.tokens import TokensConfig, load_tokens
 from utils.data.wikitext import WikiTextConfig, load_wikitext
 from utils.schema import Config
@@ -64,6 +66,7 @@ class LanguageTask:
         self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
         self.train_set = self.val_set = self.corpus = None
         self.unigram_ppl = float("nan")
+        self.token_bytes: torch.Tensor | None = None  # (vocab,) bytes of text per id (bits per byte)
         self.data_less_vocab = 50257  # the vocabulary without data (benchmarks, dry runs): GPT-2's by default
 
     def load_data(self) -> None:
@@ -72,6 +75,7 @@ class LanguageTask:
         self.train_set = self.corpus.dataset("train", self.cfg.seq_len)
         self.val_set = self.corpus.dataset("valid", self.cfg.seq_len)
         self.unigram_ppl = self.corpus.unigram_ppl
+        self.token_bytes = torch.from_numpy(token_bytes(self.corpus.tokenizer))
 
     def describe(self) -> str:
         if not self.corpus:
@@ -110,27 +114,41 @@ class LanguageTask:
         return criterion(model(x), y)
 
     def summary(self, metrics: dict[str, float]) -> str:
-        return (f"val/loss={metrics['val/loss']:.4g} val/ppl={metrics['val/ppl']:.4g} "
+        bpb = f" val/bpb={metrics['val/bpb']:.4g}" if "val/bpb" in metrics else ""
+        return (f"val/loss={metrics['val/loss']:.4g} val/ppl={metrics['val/ppl']:.4g}{bpb} "
                 f"(unigram ppl {self.unigram_ppl:.4g})")
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast,
                  writer, step: int) -> dict[str, float]:
-        """val/loss and val/ppl over the validation blocks (reduced over dp); greedy continuations as text."""
-        sums = torch.zeros(2, dtype=torch.float64, device=grid.device)
+        """val/loss, val/ppl and val/bpb over the validation blocks (sums reduced over dp and pp); greedy
+        continuations as text. Bits per byte: the summed token NLL (nats) over ln 2 x the UTF-8 bytes the
+        targets decode to (utils/data/token_bytes.py); absent without a corpus (a benchmark's random ids)."""
+        sums = torch.zeros(4, dtype=torch.float64, device=grid.device)  # [sum of means, rows, NLL, bytes]
+        table = None if self.token_bytes is None else self.token_bytes.to(grid.device)
         for x, y in loader:
             x = x.to(grid.device, non_blocking=True)
             with autocast():
                 logits = model(x)  # None off the last pipeline stage (see WeatherTask.evaluate)
                 if logits is not None and y is not None:  # y None: a padding batch (EvenBatches)
                     y = y.to(grid.device, non_blocking=True)
-                    sums[0] += criterion(logits, y).double() * len(x)
-                    sums[1] += len(x)
+                    sums += self._block_sums(criterion(logits, y).double(), y, table)
         all_reduce_(sums, grid.metrics)
         loss = (sums[0] / sums[1].clamp_min(1)).item()
         if self.new_tokens:  # a collective (tp ranks decode together): every rank, not only the writer
             writer.text("val/samples", self.continuations(model, grid, autocast), step)
-        return {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+        metrics = {"val/loss": loss, "val/ppl": math.exp(min(loss, 50.0))}
+        if table is not None:
+            metrics["val/bpb"] = (sums[2] / (math.log(2) * sums[3].clamp_min(1))).item()
+        return metrics
+
+    @staticmethod
+    def _block_sums(mean: torch.Tensor, y: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+        """[mean x rows, rows, NLL in nats, bytes] of one batch: `mean` is the criterion's mean over its
+        counted targets (ignore_index -100 does not count), so their NLL sum is mean x their number."""
+        counted = y != -100
+        nbytes = table[y.clamp_min(0)].masked_fill(~counted, 0).sum() if table is not None else mean.new_zeros(())
+        return torch.stack([mean * len(y), mean.new_tensor(len(y)), mean * counted.sum(), nbytes.to(mean)])
 
     def prompt_starts(self) -> list[int]:
         """Where the fixed prompts start: evenly spaced places of the validation split, each followed by
