@@ -190,7 +190,7 @@ LAYERS = (
     ("command line", ("utils.cli",)),
     # utils.comm.__main__: `python -m utils.comm` (DESIGN.md); utils.checkpoints.export: export's former name
     ("tools", ("utils.comm.__main__", "utils.checkpoints.export", "utils.plan", "utils.bench", "utils.doctor",
-               "utils.compare", "utils.forecast", "utils.export", "utils.generate")),
+               "utils.compare", "utils.forecast", "utils.export", "utils.generate", "utils.evaluate")),
     ("scripts", ("train", "train_mp")),
 )
 
@@ -270,5 +270,5 @@ def test_utils_holds_the_bottom_and_subpackages_by_concern():
     loose = sorted(p.name for p in (ROOT / "utils").glob("*.py"))
     assert loose == ["__init__.py", "launch_env.py", "schema.py", "signals.py"]
     packages = sorted(p.parent.name for p in (ROOT / "utils").glob("*/__init__.py"))
-    assert packages == ["bench", "checkpoints", "cli", "comm", "compare", "data", "doctor", "engine", "export",
-                        "forecast", "generate", "plan", "tasks"]
+    assert packages == ["bench", "checkpoints", "cli", "comm", "compare", "data", "doctor", "engine", "evaluate",
+                        "export", "forecast", "generate", "plan", "tasks"]

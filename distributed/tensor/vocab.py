@@ -151,6 +151,13 @@ class VocabParallelCrossEntropy(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.axis, vocab_start=self.vocab_start,
                                             num_valid_vocab=self.num_valid_vocab, ignore_index=self.ignore_index)
 
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy (B, N), replicated over `axis`, 0 at ignored targets (no backward needed:
+        scoring, utils/evaluate). Same collectives as `forward`."""
+        assert logits.shape[-1] == self.vocab_end - self.vocab_start, "logits are not this rank's vocabulary shard"
+        loss = _VocabParallelCrossEntropy.apply(logits, targets, self.axis, self.vocab_start, self.num_valid_vocab)
+        return torch.where(targets != self.ignore_index, loss, 0.0)
+
     def extra_repr(self) -> str:
         return (f"vocab rows [{self.vocab_start}, {self.vocab_end}) of {self.vocab_size}, "
                 f"num_valid_vocab={self.num_valid_vocab}")

@@ -192,26 +192,31 @@ def check_init_from(folder: Path, cfg: Config, task: Task) -> None:
 
 
 def init_weights_from(trainer: Trainer, folder: Path) -> None:
-    """Fine-tuning: this rank's model weights from a checkpoint of any layout (resharded by DCP, as a resume),
-    or from a Hugging Face folder (each rank reads only the rows and columns of the pieces it holds:
-    utils/checkpoints/hf_stream.py)."""
+    """Fine-tuning: this rank's model weights from a checkpoint of any layout or a Hugging Face folder."""
+    load_model_weights(trainer.raw_model, folder, model_cfg=trainer.cfg.model, task=trainer.task, grid=trainer.grid)
+    trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
+
+
+def load_model_weights(raw: nn.Module, folder: Path, *, model_cfg, task: Task, grid: Grid) -> None:
+    """This rank's pieces of `raw` (built by build_model under any layout) from a checkpoint of any layout
+    (resharded by DCP, as a resume), or from a Hugging Face folder (each rank reads only the rows and columns
+    of the pieces it holds: utils/checkpoints/hf_stream.py). Fine-tuning and `python -m utils.evaluate`."""
     if (folder / "config.json").is_file():
-        for module in trainer.raw_model.modules():  # FSDP's sharded parameters, the pieces local_pieces describes
+        for module in raw.modules():  # FSDP's sharded parameters, the pieces local_pieces describes
             if isinstance(module, FSDPModule):
                 module.reshard()
-        read_pieces(folder, trainer.cfg.model, trainer.task.vocab_size, local_pieces(trainer.raw_model))
-    else:
-        view = checkpoint_view(trainer.raw_model, None, trainer.grid, for_load=True)
-        with torch.device("meta"):  # the whole model's names and shapes (a pipeline rank's view holds its stages')
-            serial = trainer.task.build_model()
-        wanted = {f"model/{k}": tuple(t.shape) for k, t in serial.state_dict().items()}
-        held = {k: s for k, s in read_shapes(folder).items() if k.startswith("model/")}
-        wrong = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
-        require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
-                f"e.g. {wrong[0] if wrong else ''})", "trainer.init_from",
-                "give a checkpoint of a run of the same model")
-        load_state(view.tensors, folder, trainer.grid.world)
-    trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
+        read_pieces(folder, model_cfg, task.vocab_size, local_pieces(raw))
+        return
+    view = checkpoint_view(raw, None, grid, for_load=True)
+    with torch.device("meta"):  # the whole model's names and shapes (a pipeline rank's view holds its stages')
+        serial = task.build_model()
+    wanted = {f"model/{k}": tuple(t.shape) for k, t in serial.state_dict().items()}
+    held = {k: s for k, s in read_shapes(folder).items() if k.startswith("model/")}
+    wrong = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
+    require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
+            f"e.g. {wrong[0] if wrong else ''})", "trainer.init_from",
+            "give a checkpoint of a run of the same model")
+    load_state(view.tensors, folder, grid.world)
 
 
 def build_trainer(cfg: Config, task: Task, grid: Grid, log: logging.Logger, run_dir: Path, *,

@@ -36,6 +36,15 @@ class Source:
     eos_id: int | None
 
 
+@dataclass
+class Described:
+    """What a source holds, before any weight is read: its model settings, vocabulary size and tokenizer."""
+
+    cfg: object  # networks.transformer.GPTConfig (or LlamaConfig)
+    vocab: int  # rows of the model's embedding that are tokens (before padding)
+    tokenizer: object  # utils.data.tokenizers.AnyTokenizer
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m utils.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("source", type=Path, help="a step_* folder of a run, or a Hugging Face model folder")
@@ -79,9 +88,8 @@ def load_tokenizer_file(path: Path):
         raise ConfigError(err.what, "--tokenizer", err.fix) from None
 
 
-def load_hf(folder: Path, tokenizer: Path | None, device: str) -> Source:
-    """A GPT-2 or Llama folder's model and tokenizer (tokenizer.json in the folder unless `tokenizer`)."""
-    from networks.transformer import GPT
+def describe_hf(folder: Path, tokenizer: Path | None) -> Described:
+    """A GPT-2 or Llama folder's model settings and tokenizer (tokenizer.json in the folder unless `tokenizer`)."""
     from utils.checkpoints import hf
 
     config = hf.read_config(folder)
@@ -93,15 +101,23 @@ def load_hf(folder: Path, tokenizer: Path | None, device: str) -> Source:
     vocab = config["vocab_size"]
     require(tok.vocab_size <= vocab, f"the tokenizer has {tok.vocab_size} tokens, the model {vocab}", "--tokenizer",
             "give the model's own tokenizer")
-    with torch.device("meta"):
-        model = GPT(cfg, vocab)
-    model.load_state_dict(hf.import_state(folder, cfg, vocab), assign=True)
-    return Source(ready(model, device), tok, tok.eos_id)
+    return Described(cfg, vocab, tok)
 
 
-def load_checkpoint(folder: Path, tokenizer: Path | None, data: list[str], device: str) -> Source:
-    """A run's checkpoint (any layout) in one process, and the run's tokenizer."""
+def load_hf(folder: Path, tokenizer: Path | None, device: str) -> Source:
+    """A GPT-2 or Llama folder's model and tokenizer, in one process."""
     from networks.transformer import GPT
+    from utils.checkpoints import hf
+
+    described = describe_hf(folder, tokenizer)
+    with torch.device("meta"):
+        model = GPT(described.cfg, described.vocab)
+    model.load_state_dict(hf.import_state(folder, described.cfg, described.vocab), assign=True)
+    return Source(ready(model, device), described.tokenizer, described.tokenizer.eos_id)
+
+
+def describe_checkpoint(folder: Path, tokenizer: Path | None, data: list[str]) -> Described:
+    """A run's checkpoint (any layout): the run's model settings, vocabulary size and tokenizer."""
     from utils.checkpoints.checkpointer import Checkpointer
     from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts
     from utils.comm import Grid
@@ -116,10 +132,18 @@ def load_checkpoint(folder: Path, tokenizer: Path | None, data: list[str], devic
     tok = load_tokenizer_file(tokenizer) if tokenizer is not None else run_tokenizer(data_cfg)
     require(tok.vocab_size == vocab, f"the tokenizer has {tok.vocab_size} tokens, the run's model {vocab}",
             "--tokenizer", "give the tokenizer the run trained with")
+    return Described(model_cfg, vocab, tok)
+
+
+def load_checkpoint(folder: Path, tokenizer: Path | None, data: list[str], device: str) -> Source:
+    """A run's checkpoint (any layout) in one process, and the run's tokenizer."""
+    from networks.transformer import GPT
+
+    described = describe_checkpoint(folder, tokenizer, data)
     with torch.device("meta"):
-        model = GPT(model_cfg, vocab)
+        model = GPT(described.cfg, described.vocab)
     model.load_state_dict(model_state(folder), assign=True)
-    return Source(ready(model, device), tok, tok.eos_id)
+    return Source(ready(model, device), described.tokenizer, described.tokenizer.eos_id)
 
 
 def run_tokenizer(data_cfg):
@@ -155,14 +179,25 @@ def ready(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return model.to(device).eval()
 
 
-def load_source(args) -> Source:
-    """The model and tokenizer of a Hugging Face folder or a run's checkpoint."""
-    source = args.source
+def check_source(source: Path) -> bool:
+    """Whether `source` is a Hugging Face folder (else a run's step folder); ConfigError when it is no folder."""
     require(source.is_dir(), f"{source} is not a folder", "CHECKPOINT_OR_HF_FOLDER",
             "give a run's step_* folder or a Hugging Face model folder")
-    if (source / "config.json").is_file():
-        return load_hf(source, args.tokenizer, args.device)
-    return load_checkpoint(source, args.tokenizer, args.data, args.device)
+    return (source / "config.json").is_file()
+
+
+def describe_source(args) -> Described:
+    """The model settings and tokenizer of a Hugging Face folder or a run's checkpoint (no weights read)."""
+    if check_source(args.source):
+        return describe_hf(args.source, args.tokenizer)
+    return describe_checkpoint(args.source, args.tokenizer, args.data)
+
+
+def load_source(args) -> Source:
+    """The model and tokenizer of a Hugging Face folder or a run's checkpoint."""
+    if check_source(args.source):
+        return load_hf(args.source, args.tokenizer, args.device)
+    return load_checkpoint(args.source, args.tokenizer, args.data, args.device)
 
 
 def encode(source: Source, lines: list[str], new_tokens: int) -> list[list[int]]:
