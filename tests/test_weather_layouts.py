@@ -1,6 +1,7 @@
 """Training from a WeatherBench 2-layout zarr store written here, with GraphCast's weighted loss, under tensor,
 context, pipeline and fully sharded data parallelism: every layout follows the single-process curve (fp32,
-relative 1e-4), its rollout evaluation included (the forecast skill read through the zarr reader)."""
+relative 1e-4), its rollout evaluation included (the forecast skill and the spectra's blurring figure read through
+the zarr reader)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def store(tmp_path_factory):
 def curves(run_dir) -> dict[str, list[float]]:
     scalars = read_scalars(run_dir)
     return {tag: [v for _, v in values] for tag, values in scalars.items()
-            if tag in ("train/loss", "train/grad_norm", "val/loss") or tag.startswith("rollout/rmse/")}
+            if tag in ("train/loss", "train/grad_norm", "val/loss")
+            or tag.startswith(("rollout/rmse/", "rollout/blurring/"))}  # blurring: the spectra's figure
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,8 @@ def single(store, tmp_path_factory):
 
 def test_the_single_process_run_learns_with_the_weighted_loss(single):
     assert len(single["train/loss"]) == 3 and single["train/loss"][-1] < single["train/loss"][0]
-    assert {"rollout/rmse/geopotential@500/6h", "rollout/rmse/2m_temperature/12h"} <= single.keys()
+    assert {"rollout/rmse/geopotential@500/6h", "rollout/rmse/2m_temperature/12h",
+            "rollout/blurring/2m_temperature/12h"} <= single.keys()
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.dp=2", "parallel.dp_mode=fsdp"],
