@@ -103,3 +103,14 @@ def test_refusals(overrides, setting):
     with pytest.raises(ConfigError) as err:
         WikiTextConfig(sample=True, **overrides)
     assert err.value.setting == setting
+
+
+@pytest.mark.parametrize("args, setting", [
+    (["model=llama_tiny", "data.packing=documents", "precision.compile=true"], "(precision.compile)"),
+    (["model=llama_tiny", "data.attention=document"], "(data.attention)"),
+    (["data=era5_synthetic", "model=vit_tiny", "data.attention=document"], "data.attention")])
+def test_train_refuses_in_one_line(args, setting):
+    from tests.helpers import run_main
+
+    code, _, err = run_main("train.py", "data=wikitext_sample", *args)
+    assert code == 2 and err.count("\n") == 1 and setting in err
