@@ -101,7 +101,8 @@ def test_bench_help_exits_0():
 
 @pytest.mark.parametrize("args,setting", [(["parallel.bogus=1"], "parallel.bogus"), (["gpu=v100"], "gpu"),
                                           (["--world", "x"], "--world"), (["parallel=pp2"], "parallel.pp"),
-                                          (["parallel.dp=2", "parallel.dp_mode=fsdp"], "parallel.dp_mode")])
+                                          (["parallel=pp2", "parallel.dp=2", "parallel.dp_mode=fsdp"], "parallel.pp"),
+                                          (["--vocab", "1000"], "--vocab")])
 def test_bad_input_is_one_line_exit_2(capsys, args, setting):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
@@ -239,3 +240,54 @@ def test_forked_workers_give_the_sequential_answer(capsys):
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[0] == outputs[1]
     assert sorted(p["layout"] for p in outputs[0]["layouts"]) == ["cp2", "dp2", "tp2"]
+
+
+FSDP_TINY = ["model=gpt_tiny", "data=wikitext_sample", "model.depth=1", "parallel.dp=2", *TINY]
+
+
+def padded_bytes(world: int, rank: int | None = None) -> int:
+    """fp32 bytes of gpt_tiny's weights (the planner's GPT-2 vocabulary), each cut in `world` dim-0 shards as
+    FSDP2 cuts it (rows padded to a multiple of `world`): all of them, or the rows `rank` holds, unpadded."""
+    from utils.cli.config import load_config
+    from utils.tasks import build_task
+
+    with torch.device("meta"):
+        model = build_task(load_config(FSDP_TINY)[0], load_data=False).build_model()
+    total = 0
+    for p in model.parameters():
+        rows, row = p.shape[0], p[0].numel() if p.dim() > 1 else 1
+        shard = -(-rows // world)
+        total += (shard * world if rank is None else max(0, min(rows - rank * shard, shard))) * row * 4
+    return total
+
+
+def test_fsdp_bytes_are_counted_from_its_own_collectives():
+    """dp2 under FSDP, rank 0: its half of the weights, gradients and Adam state; per step every unit gathered in
+    forward and again in backward, every gradient reduce-scattered once (3 x (n-1)/n of the padded weights;
+    2 x without resharding after forward, as many as DDP's all-reduce); the same activations as under DDP
+    (a gathered weight is not an activation); and the gathered units' peak, larger without resharding."""
+    ddp = plan_layout(FSDP_TINY, GPUS["cpu"], 2)
+    zero3 = plan_layout(FSDP_TINY + ["parallel.dp_mode=fsdp"], GPUS["cpu"], 2)
+    zero2 = plan_layout(FSDP_TINY + ["parallel.dp_mode=fsdp", "parallel.fsdp_reshard_after_forward=false"],
+                        GPUS["cpu"], 2)
+    full, mine = padded_bytes(2), padded_bytes(2, rank=0)
+    assert (zero3.param_bytes, zero3.grad_bytes, zero3.optimizer_bytes) == (mine, mine, 2 * mine)
+    assert ddp.param_bytes > 1.9 * mine
+    metrics = 1024  # the step's own small all-reduces over dp (loss, gradient norm), counted under DDP too
+    assert abs(zero3.comm_bytes["dp"] - 3 * full // 2) < metrics and abs(zero2.comm_bytes["dp"] - full) < metrics
+    assert abs(ddp.comm_bytes["dp"] - full) < 0.01 * full  # DDP: 2 (n-1)/n of the unpadded gradients
+    assert zero3.activation_bytes == zero2.activation_bytes == ddp.activation_bytes and ddp.gathered_bytes == 0
+    vocab_rows = 50304 * 128 * 4  # the tied embedding and head, gathered with the root, and its gradient
+    assert 2 * vocab_rows < zero3.gathered_bytes <= zero2.gathered_bytes <= 2 * full
+    assert zero3.total_bytes == 4 * mine + zero3.activation_bytes + zero3.gathered_bytes
+
+
+def test_gathered_peak_is_taken_in_backward():
+    """Embedding 10, two blocks of 100, head 30, root 5; backward runs head, blocks, embedding."""
+    from utils.plan.fsdp import Unit, extend_units, gathered_peak
+
+    units = (Unit(10, False), Unit(100, True), Unit(100, True), Unit(30, False))
+    assert gathered_peak(units, 5, True) == 2 * 5 + 100 + 100 + 100  # a block, its gradient, the next prefetched
+    assert gathered_peak(units, 5, False) == 2 * 5 + 210 + 100  # the blocks and the embedding still gathered
+    assert extend_units(units, 4) == (units[0],) + (units[1],) * 4 + (units[3],)
+    assert gathered_peak(extend_units(units, 4), 0, False) == 410 + 100  # 4 blocks, the embedding, a gradient

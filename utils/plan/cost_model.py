@@ -1,11 +1,13 @@
 """Plan a layout before launching it: `python -m utils.plan [overrides] [gpu=h100|a100|cpu] [options]`.
 
 Prints, for global rank 0 of a layout (or with --world N for every tp x cp x dp layout of N ranks),
-the bytes it holds (parameters, gradients, Adam state, activations saved for backward), the bytes it
-sends per training step on each grid axis, and a predicted step time, ranked by that time.
+the bytes it holds (parameters, gradients, Adam state, activations saved for backward; under FSDP its
+shards of the first three and the units gathered at the peak), the bytes it sends per training step on
+each grid axis, and a predicted step time, ranked by that time.
 
     python -m utils.plan model=vit_large data=era5 precision=bf16 gpu=h100 --world 8
     python -m utils.plan parallel=tp2 parallel.dp=2 gpu=cpu --json
+    python -m utils.plan model=llama_8b data=wikitext parallel.tp=2 parallel.dp=32 parallel.dp_mode=fsdp --vocab 128256
 
 Nothing is computed from a second copy of the formulas: the planner builds the real trainer
 (utils.engine.build.build_trainer) on one process under torch's fake process group (collectives do nothing,
@@ -13,7 +15,11 @@ the counted ones in distributed/ still record their bytes) and takes one real Tr
 a fake-tensor mode (shapes and dtypes, no values, no FLOPs). The comm figures are the comm/<axis>_bytes a
 real run logs; the activation figure is utils.bench.train_step.saved_for_backward_bytes; parameter, gradient and
 optimizer bytes are counted as utils.engine.build.param_bytes_report does (Adam's two moments; its 4-byte step
-counts are left out as there). Rank 0 holds the largest shard of an uneven tp split. Without the wait:
+counts are left out as there). Rank 0 holds the largest shard of an uneven tp split. FSDP
+(parallel.dp_mode=fsdp, utils/plan/fsdp.py): FSDP2's all-gathers and reduce-scatters are torch's own, not
+in comm/<axis>_bytes; the planner counts them from the step's own collective calls on the sharded weights
+and adds them to the axis FSDP shards over (dp, or cp_dp), and models the gathered units' peak from their
+sizes (FSDP's gathered weights are weights, not saved activations). Without the wait:
 the weights are built on the meta device and allocated without values, the step is taken at depths 1 and 2
 and every figure extended to the configured depth, exactly (utils/plan/probe.py says why), and --world plans
 its layouts in forked workers.
@@ -23,7 +29,10 @@ Options (defaults by gpu: h100 | a100 | cpu):
   --world N           plan every layout of N ranks (tp x cp x dp, pp=1) the config checks accept
   --jobs N            with --world: layouts planned at once, in forked processes (default: one per CPU core)
   --json              print JSON: per layout comm_bytes {axis: bytes per step}, param_bytes, grad_bytes,
-                      optimizer_bytes, activation_bytes (rank 0), step_time_s, compute_s, comm_s, fits
+                      optimizer_bytes, activation_bytes, gathered_bytes (FSDP), host_bytes (rank 0),
+                      step_time_s, compute_s, comm_s, fits
+  --vocab V           a language model's vocabulary (the planner reads no data): GPT-2's 50257 by default,
+                      Llama 3's is 128256
   --efficiency X      achieved fraction of the dense peak (utils.engine.flops.PEAK_TFLOPS): 0.5
   --peak-tflops X     dense peak per device for the run's precision: h100/a100 from the table; cpu 0.2
   --intra-gbs X       GB/s per direction inside a node: NVLink 450 (h100) | 300 (a100); cpu loopback 5
@@ -38,10 +47,10 @@ Model: step time = compute + sum over axes of bytes / link bandwidth, no overlap
 compute assumed (an upper bound for DDP, which overlaps its bucket all-reduces with backward). Compute =
 training FLOPs of the rank's share of the global batch (utils.engine.flops.training_flops_per_sample) / (peak x
 efficiency). An axis is intra-node when rank 0's group on it lies in one node (parallel.order decides).
-Fits = parameters + gradients + Adam state + saved activations <= memory (no allocator slack, workspace
-or bf16 weight copies). Not modelled (refused with exit 2): pipeline parallelism (parallel.pp > 1; its
-object exchanges do not run on a fake group) and parallel.dp_mode=fsdp (FSDP2's all-gathers and
-reduce-scatters are torch's own and not counted in comm/<axis>_bytes).
+Fits = parameters + gradients + Adam state + saved activations + FSDP's gathered units <= memory (no
+allocator slack, workspace or bf16 weight copies). Host: the runtime (HOST_RUNTIME_GIB) plus, on a CPU,
+that total. Not modelled (refused with exit 2): pipeline parallelism (parallel.pp > 1, FSDP or not; its
+object exchanges do not run on a fake group).
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from functools import partial
 
 from utils import ConfigError, exit_bad_input, require
 from utils.plan.bandwidths import read_bandwidths
+from utils.plan.fsdp import extend_units, gathered_peak
 from utils.plan.probe import LayoutConfigs, extend, probe_depths
 from utils.plan.step import Measured, measure_layout
 
@@ -91,6 +101,7 @@ class Request:
     as_json: bool = False
     jobs: int = 0  # layouts planned at once (--jobs); 0: one per CPU core this process may use
     links_from: str = ""  # --bandwidths: the doctor's file the link figures come from
+    vocab: int | None = None  # --vocab: a language model's vocabulary (the planner reads no data)
 
 
 @dataclass
@@ -104,6 +115,7 @@ class LayoutPlan:
     grad_bytes: int = 0
     optimizer_bytes: int = 0
     activation_bytes: int = 0  # peak bytes saved for backward
+    gathered_bytes: int = 0  # FSDP: peak bytes of gathered weights and their unsharded gradients (utils/plan/fsdp.py)
     compute_s: float = 0.0
     comm_s: float = 0.0
     step_time_s: float = 0.0
@@ -113,7 +125,7 @@ class LayoutPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.gathered_bytes
 
 
 def parse_args(argv: list[str]) -> Request:
@@ -129,7 +141,7 @@ def parse_args(argv: list[str]) -> Request:
             value = value if eq else next(it, "")
             require(bool(value), "--bandwidths needs a file", "--bandwidths", "give the doctor's bandwidths JSON")
             measured = read_bandwidths(value)
-        elif key in OPTIONS or key in ("--world", "--jobs"):
+        elif key in OPTIONS or key in ("--world", "--jobs", "--vocab"):
             value = value if eq else next(it, "")
             try:
                 number = float(value)
@@ -144,6 +156,7 @@ def parse_args(argv: list[str]) -> Request:
         else:
             req.overrides.append(arg)
     req.world, req.jobs = int(values.pop("--world", 0)), int(values.pop("--jobs", 0))
+    req.vocab = int(values.pop("--vocab")) if "--vocab" in values else None
     hw = Hardware(**asdict(GPUS[req.gpu]))
     hw.intra_gbs = PCIE_GBS if pcie else hw.intra_gbs
     if measured is not None:  # the doctor's figures replace the preset's; explicit flags (below) win
@@ -171,8 +184,6 @@ def check_plannable(cfg) -> None:
     par = cfg.parallel
     require(par.pp == 1, "the planner does not model pipeline parallelism yet", "parallel.pp",
             "plan with parallel.pp=1 (pp=1 layouts of the same world size are listed with --world)")
-    require(par.dp_mode == "ddp", "the planner does not model FSDP yet (FSDP2's own collectives are not counted)",
-            "parallel.dp_mode", "plan with parallel.dp_mode=ddp")
 
 
 def world_of(cfg) -> int:
@@ -187,10 +198,10 @@ def world_of(cfg) -> int:
 
 
 def plan_layout(overrides: list[str], hw: Hardware, world: int, *, values: bool = False,
-                probe: bool = True) -> LayoutPlan:
+                probe: bool = True, vocab: int | None = None) -> LayoutPlan:
     """Plan the layout the overrides give, on `world` ranks (utils/plan/step.py: one shapes-only step of the
-    real trainer; probe=False: at the configured depth, not extended from PROBE_DEPTHS)."""
-    configs = LayoutConfigs(overrides)
+    real trainer; probe=False: at the configured depth, not extended from PROBE_DEPTHS; vocab: --vocab)."""
+    configs = LayoutConfigs(overrides, vocab)
     depths = probe_depths(configs, configs.load({}).model.depth) if probe else ()
     return plan_settings(configs, {}, hw, world, depths, values=values)
 
@@ -211,17 +222,21 @@ def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware
         cfg = configs.load(settings)
     depth = cfg.model.depth
     if len(depths) == 2:
-        low, high = (measure_layout(configs.load({**settings, "model.depth": d}), world, values=values)
+        low, high = (measure_layout(configs.load({**settings, "model.depth": d}), world, values=values,
+                                    vocab=configs.vocab)
                      for d in depths)
         full = Measured(high.layout, tuple(extend(a, b, depths[0], depth) for a, b in zip(low.held, high.held)),
                         extend(low.comm_bytes, high.comm_bytes, depths[0], depth),
                         extend(low.activation_bytes, high.activation_bytes, depths[0], depth),
-                        full_flops_per_sample(cfg), high.axis_ranks)
+                        full_flops_per_sample(cfg, configs.vocab), high.axis_ranks,
+                        extend_units(high.units, depth), high.root_bytes)
     else:
-        full = measure_layout(cfg, world, values=values)
+        full = measure_layout(cfg, world, values=values, vocab=configs.vocab)
     plan = LayoutPlan(full.layout, overrides)
     plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes = full.held
     plan.comm_bytes, plan.activation_bytes = full.comm_bytes, full.activation_bytes
+    if full.units or full.root_bytes:
+        plan.gathered_bytes = gathered_peak(full.units, full.root_bytes, cfg.parallel.fsdp_reshard_after_forward)
     flops = full.flops_per_sample * cfg.trainer.global_batch_size / world
     plan.compute_s = flops / (peak_tflops(hw, cfg.precision.mode) * 1e12 * hw.efficiency)
     plan.comm_s = sum(n / (link_gbs(hw, full.axis_ranks[name]) * GB) for name, n in plan.comm_bytes.items())
@@ -237,14 +252,14 @@ def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware
 HOST_RUNTIME_GIB = 0.33
 
 
-def full_flops_per_sample(cfg) -> float:
+def full_flops_per_sample(cfg, vocab: int | None) -> float:
     """Training FLOPs of one sample of cfg's serial model at its configured depth, built on the meta device."""
     import torch
 
     from utils.engine.build import flops_per_sample
-    from utils.tasks import build_task
+    from utils.plan.probe import data_less_task
 
-    task = build_task(cfg, load_data=False)
+    task = data_less_task(cfg, vocab)
     with torch.device("meta"):
         model = task.build_model()
     return flops_per_sample(cfg, task, model)
@@ -305,13 +320,14 @@ def table(plans: list[LayoutPlan], req: Request) -> str:
              f"inter {hw.inter_gbs} GB/s{f' (--bandwidths {req.links_from})' if req.links_from else ''}, "
              f"{hw.gpus_per_node} per node, {hw.memory_gb} GB; rank 0; no overlap",
              "| rank | layout | fits | step s | compute s | comm s | params GiB | grads GiB | Adam GiB | "
-             "activations GiB | total GiB | host GiB | comm MB per step by axis |", "|" + "---|" * 13]
+             "activations GiB | FSDP gathered GiB | total GiB | host GiB | comm MB per step by axis |",
+             "|" + "---|" * 14]
     for i, p in enumerate(plans, 1):
         if p.refused:
-            lines.append(f"| - | {p.layout} | refused | {p.refused} |" + " |" * 9)
+            lines.append(f"| - | {p.layout} | refused | {p.refused} |" + " |" * 10)
             continue
         gib = [f"{n / 2**30:.2f}" for n in (p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes,
-                                            p.total_bytes, p.host_bytes)]
+                                            p.gathered_bytes, p.total_bytes, p.host_bytes)]
         comm = ", ".join(f"{a} {n / 1e6:.1f}" for a, n in p.comm_bytes.items()) or "none"
         lines.append(f"| {i} | {p.layout} | {'yes' if p.fits else 'NO'} | {p.step_time_s:.4g} | {p.compute_s:.4g} "
                      f"| {p.comm_s:.4g} | " + " | ".join(gib) + f" | {comm} |")
@@ -320,7 +336,7 @@ def table(plans: list[LayoutPlan], req: Request) -> str:
 
 def run(argv: list[str]) -> str:
     req = parse_args(argv)
-    configs = LayoutConfigs(req.overrides)  # Hydra composes once for every layout
+    configs = LayoutConfigs(req.overrides, req.vocab)  # Hydra composes once for every layout
     if req.world:
         plans = plan_world(req, configs)
     else:

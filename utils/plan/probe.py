@@ -29,7 +29,7 @@ class LayoutConfigs:
     """The user's overrides composed once; `load(settings)` is that config with `settings` set
     ({"parallel.tp": 2, ...}), equal to load_config(overrides + ["parallel.tp=2", ...])."""
 
-    def __init__(self, overrides: list[str]):
+    def __init__(self, overrides: list[str], vocab: int | None = None):
         from omegaconf import OmegaConf
 
         from utils.cli.config import compose_config
@@ -38,6 +38,7 @@ class LayoutConfigs:
         self.choices = OmegaConf.to_container(composed.hydra.runtime.choices)
         del composed.hydra
         self.job, self.overrides = composed, list(overrides)
+        self.vocab = vocab  # a language model's vocabulary without data (--vocab); None: the task's default
 
     def load(self, settings: dict[str, int]):
         from omegaconf import OmegaConf
@@ -63,12 +64,24 @@ def serial_params(configs: LayoutConfigs, depth: int) -> int:
     """Parameters of the serial model at `depth`, built on the meta device (no memory, no init)."""
     import torch
 
-    from utils.tasks import build_task
-
     cfg = configs.load({"model.depth": depth})
     with torch.device("meta"):
-        model = build_task(cfg, load_data=False).build_model()
+        model = data_less_task(cfg, configs.vocab).build_model()
     return sum(p.numel() for p in model.parameters())
+
+
+def data_less_task(cfg, vocab: int | None):
+    """cfg's task without its data (the planner reads none), a language model's vocabulary set to `vocab`
+    (the tokenizer's; None: GPT-2's 50257)."""
+    from utils import require
+    from utils.tasks import build_task
+
+    task = build_task(cfg, load_data=False)
+    if vocab is not None:
+        require(hasattr(task, "data_less_vocab"), f"model={cfg.model.arch} reads no vocabulary", "--vocab",
+                "leave --vocab out")
+        task.data_less_vocab = vocab
+    return task
 
 
 def probe_depths(configs: LayoutConfigs, depth: int) -> tuple[int, ...]:

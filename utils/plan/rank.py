@@ -57,15 +57,11 @@ def play(overrides: list[str], world: int, rank: int, vocab: int | None, steps: 
     from utils.comm import init_grid
     from utils.engine.build import build_trainer, param_bytes_report
     from utils.engine.memory import host_peak_gib, reset_host_peak
+    from utils.plan.probe import data_less_task
     from utils.plan.step import check_batch_for, fake_world
-    from utils.tasks import build_task
 
     cfg, _, _ = load_config(overrides)
-    task = build_task(cfg, load_data=False)
-    if vocab is not None:
-        require(hasattr(task, "data_less_vocab"), f"model={cfg.model.arch} reads no vocabulary", "--vocab",
-                "leave --vocab out")
-        task.data_less_vocab = vocab
+    task = data_less_task(cfg, vocab)
     with fake_world(world, rank), tempfile.TemporaryDirectory() as tmp:
         grid = init_grid(cfg.parallel)
         check_batch_for(cfg, grid)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from utils.plan.fsdp import Unit
+
 
 @dataclass
 class Measured:
@@ -17,12 +19,15 @@ class Measured:
     activation_bytes: int  # peak bytes saved for backward
     flops_per_sample: float  # of the model as built (its depth)
     axis_ranks: dict[str, list[int]] = field(default_factory=dict)  # axis name -> global ranks of rank 0's group
+    units: tuple[Unit, ...] = ()  # FSDP's units below the root, in forward order (utils/plan/fsdp.py)
+    root_bytes: int = 0  # FSDP's root unit, gathered
 
 
-def measure_layout(cfg, world: int, *, values: bool = False) -> Measured:
+def measure_layout(cfg, world: int, *, values: bool = False, vocab: int | None = None) -> Measured:
     """Build the real trainer of rank 0 of cfg's layout on a fake group of `world` ranks and take one
     shapes-only step. The weights are built on the meta device and allocated without values (values=True:
-    initialised as a run does, the full model's init on the CPU; the same figures)."""
+    initialised as a run does, the full model's init on the CPU; the same figures). `vocab`: a language
+    model's vocabulary (utils/plan/probe.py data_less_task)."""
     import logging
     import tempfile
     import warnings
@@ -30,19 +35,19 @@ def measure_layout(cfg, world: int, *, values: bool = False) -> Measured:
 
     from utils.comm import Axis, init_grid
     from utils.engine.build import build_trainer
-    from utils.tasks import build_task
+    from utils.plan.probe import data_less_task
 
     with fake_world(world), tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DDP's and the scheduler's warnings about a step that is not one
         grid = init_grid(cfg.parallel)
         check_batch_for(cfg, grid)
-        trainer = build_trainer(cfg, build_task(cfg, load_data=False), grid, logging.getLogger("plan"), Path(tmp),
+        trainer = build_trainer(cfg, data_less_task(cfg, vocab), grid, logging.getLogger("plan"), Path(tmp),
                                 values=values)
-        comm, activation = measure(cfg, grid, trainer)
+        comm, activation, units = measure(cfg, grid, trainer)
         held = held_bytes(trainer)  # after the step, which its fake Adam state must not meet
         ranks = {name: grid.axis(*[Axis(a) for a in name.split("_")]).ranks for name in comm}
         trainer.tb.close()
-    return Measured(grid.name, held, comm, activation, trainer.flops_per_sample, ranks)
+    return Measured(grid.name, held, comm, activation, trainer.flops_per_sample, ranks, *units)
 
 
 def fake_world(world: int, rank: int = 0):
@@ -84,12 +89,17 @@ def shapes_only(weights: list):
     from torch.utils._pytree import tree_leaves
 
     from utils.bench.train_step import storage_id
+    from utils.plan.fsdp import collective_bytes
 
     held = {storage_id(w) for w in weights}
 
     class ShapesOnly(FakeTensorMode):
+        fsdp_bytes = 0  # bytes this rank sent in FSDP2's collectives (utils/plan/fsdp.py)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func.namespace == "c10d":
+                self.fsdp_bytes += collective_bytes(func, args)
             if func is torch.ops.aten._local_scalar_dense.default:
                 return True if args[0].dtype == torch.bool else 1
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -120,18 +130,29 @@ def held_bytes(trainer) -> tuple[int, int, int]:
     return param_bytes, grad_bytes, state
 
 
-def measure(cfg, grid, trainer) -> tuple[dict[str, int], int]:
-    """(comm bytes per axis, saved-for-backward bytes) of one Trainer.train_step under `shapes_only`."""
+def measure(cfg, grid, trainer) -> tuple[dict[str, int], int, tuple[tuple[Unit, ...], int]]:
+    """(comm bytes per axis, saved-for-backward bytes, FSDP's units and root) of one Trainer.train_step under
+    `shapes_only`. FSDP's gathered weights count as weights, not as saved activations; its collectives'
+    bytes go to the axis it shards over (utils/plan/fsdp.py)."""
     from utils.bench.train_step import saved_for_backward_bytes
+    from utils.plan.fsdp import describe_units, gathered_params, record_forward_order
 
-    mode = shapes_only(list(trainer.raw_model.parameters()))
+    model = trainer.raw_model
+    mode = shapes_only(list(model.parameters()))
     with mode:
         x, y = trainer.task.example_batch(cfg.trainer.global_batch_size // grid.batch.size, grid.device)
-        params = list(trainer.raw_model.parameters())  # saved as they are, or as their fake counterparts
-        weights = params + [mode.from_tensor(p) for p in params]
+        params = list(model.parameters())  # saved as they are, or as their fake counterparts
+        weights = params + [mode.from_tensor(p) for p in params] + gathered_params(model)
+        order, hooks = record_forward_order(model)
         grid.reset_comm_bytes()
+        mode.fsdp_bytes = 0
         activation = saved_for_backward_bytes(trainer, x, y, params=weights)
-    return grid.comm_bytes(), activation
+    for hook in hooks:
+        hook.remove()
+    comm = grid.comm_bytes()
+    if mode.fsdp_bytes:
+        comm[grid.replicas.name] = comm.get(grid.replicas.name, 0) + mode.fsdp_bytes
+    return comm, activation, describe_units(model, order)
 
 
 def check_batch_for(cfg, grid) -> None:
