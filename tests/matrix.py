@@ -2,9 +2,10 @@
 
 A case sets the factors of FACTORS. A factor that does not act in a case is inactive and set to None (the
 schedule without pp, cp_attention without cp, cp_a2a without the hierarchical variant, sequence
-parallelism without tp, dp_mode without a dp x cp group to shard over, the order with fewer than two axes
-above 1), so the space holds each distinct run once. cp=4 is in the space for the hierarchical variant
-(which needs two groups of cp_a2a=2), the other variants run at cp=4 in tests/test_cp_variants.py.
+parallelism without tp, packing with the ViT, dp_mode without a dp x cp group to shard over, the order with
+fewer than two axes above 1), so the space holds each distinct run once. cp=4 is in the space for the
+hierarchical variant (which needs two groups of cp_a2a=2), the other variants run at cp=4 in
+tests/test_cp_variants.py.
 Whether a case is accepted is decided by the trainer's own checks, run without launching anything: the
 typed config's validation (`Config.__post_init__`, via `dataclasses.replace` on a config composed once
 per model), the grid check against the world size, and the batch check (`build_run` makes the same three
@@ -56,6 +57,7 @@ FACTORS = {
     "sequence_parallel": (True, False),
     "activation_checkpointing": (False, True),
     "grad_accum_steps": (1, 2),
+    "packing": ("concat", "documents"),  # the language models' rows: one stream, or whole documents masked apart
 }
 NAMES = tuple(FACTORS)
 GLOBAL_BATCH = 16  # divisible by every dp x accumulation x microbatches of the space
@@ -88,6 +90,7 @@ class Case:
     sequence_parallel: bool | None
     activation_checkpointing: bool
     grad_accum_steps: int
+    packing: str | None = None  # None for the ViT (no documents)
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -109,7 +112,8 @@ class Case:
                     "cp_a2a": self.cp_a2a and f"a2a{self.cp_a2a}",
                     "sequence_parallel": self.sequence_parallel is not None and f"sp{int(self.sequence_parallel)}"}
         parts += [v for v in optional.values() if v]
-        parts += ["ac" if self.activation_checkpointing else "", f"acc{self.grad_accum_steps}"]
+        parts += ["ac" if self.activation_checkpointing else "", f"acc{self.grad_accum_steps}",
+                  "docs" if self.packing == "documents" else ""]
         return "-".join(p for p in parts if p)
 
     def overrides(self) -> list[str]:
@@ -125,10 +129,15 @@ class Case:
             value = getattr(self, field)
             if value is not None:
                 args.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
-        return args
+        return args + packing_args(self.packing)
 
     def settings(self) -> tuple[tuple[str, object], ...]:
         return tuple((n, getattr(self, n)) for n in NAMES if getattr(self, n) is not None)
+
+
+def packing_args(packing: str | None) -> list[str]:
+    """The settings of a `packing` factor value: whole documents come with per-document attention."""
+    return ["data.packing=documents", "data.attention=document"] if packing == "documents" else []
 
 
 def _acting(tp: int, cp: int, pp: int, dp: int) -> dict[str, bool]:
@@ -146,6 +155,7 @@ def normalize(values: dict) -> Case | None:
         return None
     active = _acting(tp, cp, pp, dp)
     active["cp_a2a"] = active["cp_a2a"] and values["cp_attention"] == "hierarchical"
+    active["packing"] = values["model"] != "vit"
     return Case(**{n: (values[n] if active.get(n, True) else None) for n in NAMES})
 
 
@@ -189,7 +199,9 @@ def refusal(case: Case) -> str | None:
             base, parallel=dataclasses.replace(base.parallel, **par),
             precision=dataclasses.replace(base.precision, mode=case.precision),
             trainer=dataclasses.replace(base.trainer, grad_accum_steps=case.grad_accum_steps,
-                                        activation_checkpointing=case.activation_checkpointing))
+                                        activation_checkpointing=case.activation_checkpointing),
+            data=base.data if case.packing is None else dataclasses.replace(
+                base.data, packing=case.packing, attention="document" if case.packing == "documents" else "causal"))
         check_grid(cfg.parallel, LaunchEnv(world_size=case.world))
         p = cfg.parallel
         microbatches = resolve_plan(p.pp_schedule, pp, p.pp_stages_per_rank, p.pp_microbatches,

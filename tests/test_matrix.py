@@ -31,7 +31,7 @@ import pytest
 
 from tests.attention_accuracy import check_rank
 from tests.helpers import QUIET, read_scalars, run_ranks
-from tests.matrix import MODEL_ARGS, Case, Mismatch, covering_set, random_cases
+from tests.matrix import MODEL_ARGS, Case, Mismatch, covering_set, packing_args, random_cases
 from tests.rank_pool import run_entry_ranks
 
 STEPS = 4
@@ -96,17 +96,18 @@ def summary(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, request):
-    """The single-process run of (model, precision, accumulation), made on first use."""
+    """The single-process run of (model, precision, accumulation, packing), made on first use."""
     made: dict[tuple, dict] = {}
     tmp = tmp_path_factory.mktemp("matrix_ref")
     roots = _roots(request)
 
     def get(case: Case) -> dict:
-        key = (case.model, case.precision, case.grad_accum_steps)
+        key = (case.model, case.precision, case.grad_accum_steps, case.packing)
         if key not in made:
             name = "-".join(map(str, key))
             results, run_dir = run_case(tmp, name, case.model, roots[case.model],
-                                        [f"precision={case.precision}", f"trainer.grad_accum_steps={key[2]}"], 1)
+                                        [f"precision={case.precision}", f"trainer.grad_accum_steps={key[2]}",
+                                         *packing_args(case.packing)], 1)
             assert_exit(results, 0)
             made[key] = {**summary(run_dir), "dir": run_dir}
         return made[key]
