@@ -26,6 +26,7 @@ NEEDS = {"model=gpt_tiny": ["data=wikitext_sample"], "model=gpt_small": ["data=w
          "model=gpt_medium": ["data=wikitext_sample"],
          **{f"model=llama_{size}": ["data=wikitext_sample"] for size in ("tiny", "1b", "8b")},
          "data=wikitext": ["model=gpt_tiny"], "data=wikitext_sample": ["model=gpt_tiny"],
+         "data=tokens": ["model=gpt_tiny"],
          "parallel=tp8": ["model.num_heads=8"]}
 # Combinations: command-line groups and keys over an experiment, settings beyond the presets (a digest).
 COMBINATIONS = [
