@@ -4,15 +4,19 @@ On cp=2 and cp=4 gloo ranks (hierarchical at cp=4 as 2 groups of 2), with as man
 and grouped K/V, rows whose document boundaries fall anywhere in a rank's shard (inside chunks, on a chunk's edge,
 a document shorter than a chunk): each rank's output and dQ, dK, dV equal float64 SDPA over the full rows with an
 explicit block-causal mask built here token by token (1e-10). The ring's score work per rank (`ring_work`, the plan
-it runs) with documents is the causal plan's for one document per row and less for many short ones.
+it runs, and the pairs its forward scores) with documents is the causal plan's for one document per row and
+less for many short ones or boundaries in a shard.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from distributed.context import blocks
 from distributed.context.attention import VARIANTS, ContextParallelAttention
+from distributed.context.blocks import block_attention
 from distributed.context.layout import ContextShards, chunk_positions
 from distributed.context.ring import ring_work
 from networks.documents import Documents
@@ -60,7 +64,18 @@ def _check(axis: AxisGroup, variant: str, n: int, kv_heads: int, hierarchy=None)
     shards.enter(n, torch.device("cpu"))
     local = [shards.shard(t, 2).detach().clone().requires_grad_() for t in (q, k, v)]
     attention = ContextParallelAttention(shards, True, variant, hierarchy=hierarchy)
-    out = attention(*local, Documents(starts, masked=True))
+    documents, pairs = Documents(starts, masked=True), []
+
+    def counted(q_, k_, *rest):
+        pairs.append(q_.shape[-2] * k_.shape[-2] // (H // kv_heads))  # the folded query heads of a group: once
+        return block_attention(q_, k_, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blocks, "block_attention", counted)
+        out = attention(*local, documents)
+    if variant == "ring":  # the forward scored exactly the pairs of the plan ring_work counts
+        work = ring_work(axis.rank, shards.sizes, shards.positions, shards.chunk, Documents(starts, masked=True))
+        assert sum(pairs) == work < ring_work(axis.rank, shards.sizes, shards.positions, shards.chunk)
     out.backward(shards.shard(grad, 2))
     for name, g, r in zip(("out", "dq", "dk", "dv"), [out.detach(), *(t.grad for t in local)], ref):
         torch.testing.assert_close(g, shards.shard(r, 2), rtol=TOL, atol=TOL, msg=f"{variant} {name}")
