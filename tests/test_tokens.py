@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from networks.documents import DOC_START
 from tests.helpers import QUIET, ROOT, corpus_lines, make_tokenizer, read_scalars, run_entry, run_main
 from utils import ConfigError
 from utils.data.batching import GlobalBatchSampler, build_loaders
@@ -209,6 +210,29 @@ def test_reader_serves_what_the_wikitext_reader_serves(twins):
     assert not copy.tokens.maps and ours.tokens.maps and all(a.equal(b) for a, b in zip(copy[3], theirs[3]))
 
 
+def test_packed_rows_flag_the_documents_the_wikitext_reader_flags(lines, tokenizer, tmp_path):
+    """data.packing=documents: 120 one-line articles (title lines) in three files; WikiText's packing makes each
+    its own document, so both readers must flag the same starts, across shards and the held-out documents."""
+    docs = [f"= {line} =" for line in lines[300:500] if not line.startswith("=")][:120]
+    files = [docs[i:i + 40] for i in range(0, 120, 40)]  # 4 of each 40 held out at valid_fraction 0.1
+    for i, part in enumerate(files):
+        (tmp_path / f"{i}.txt").write_text("\n\n".join(part) + "\n", encoding="utf-8")
+    (tmp_path / "wiki").mkdir()
+    for split, part in (("train", sum((f[:36] for f in files), [])), ("valid", sum((f[36:] for f in files), [])),
+                        ("test", files[0][36:])):
+        (tmp_path / "wiki" / f"wiki.{split}.tokens").write_text("\n".join(part) + "\n", encoding="utf-8")
+    prepare([tmp_path / f"{i}.txt" for i in range(3)], tokenizer, tmp_path / "shards")
+    packed = {"packing": "documents", "attention": "document"}
+    wikitext = load_wikitext(WikiTextConfig(root=str(tmp_path / "wiki"), tokenizer=str(tokenizer), **packed))
+    tokens = load_tokens(TokensConfig(root=str(tmp_path / "shards"), valid_fraction=0.1, **packed))
+    for split, num_docs in (("train", 108), ("valid", 12)):
+        ours, theirs = tokens.dataset(split, 16), wikitext.dataset(split, 16)
+        assert len(ours) == len(theirs) > 8
+        assert sum(int((ours[i][0] >= DOC_START).sum()) for i in range(len(ours))) == num_docs  # a flag each
+        for i in range(len(ours)):
+            assert all(a.equal(b) for a, b in zip(ours[i], theirs[i])), (split, i)
+
+
 def batches(dataset, dp_rank: int, dp: int, start_step: int, steps: int) -> list:
     loaders = build_loaders(dataset, dataset, global_batch_size=64, dp_rank=dp_rank, dp_size=dp, seed=5,
                             start_step=start_step, num_workers=0, pin_memory=False)
@@ -289,7 +313,7 @@ def test_train_py_on_shards_equals_the_wikitext_run(twins, tokenizer, tmp_path):
 @pytest.mark.parametrize("args,setting", [(["data.root=/nonexistent"], "data.root"),
                                           (["data.valid_fraction=1.5"], "data.valid_fraction"),
                                           (["data.verify=never"], "data.verify"),
-                                          (["data.packing=documents"], "data.packing")])
+                                          (["data.attention=document"], "data.attention")])
 def test_train_py_refuses_bad_token_settings(args, setting, tmp_path):
     code, _, err = run_main("train.py", "model=gpt_tiny", "data=tokens", f"run.dir={tmp_path}", *args)
     assert code == 2 and err.startswith("error: ") and f"({setting})" in err and "Traceback" not in err, err

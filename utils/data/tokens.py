@@ -7,6 +7,7 @@ seq_len + 1 tokens by the WikiText reader's `LMBlockDataset` and served by the s
 batches (utils/data/batching.py), so the order is the same for any dp size and a run resumes mid-epoch
 under any layout with no saved loader state. A missing or damaged index, a shard of the wrong size, or (with
 `data.verify=checksum`, the default) a checksum mismatch stops the run before any work with one line.
+With `data.packing=documents` the rows also flag where documents start (`PackedShardRows`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
+from networks.documents import pack_ids
 from utils import ConfigError, require
-from utils.data.shards import Index, ShardStream, check_shards, held_out_split, read_index
+from utils.data.packing import check_packing
+from utils.data.shards import Index, ShardStream, check_shards, document_starts, held_out_split, read_index
 from utils.data.tokenizers import PretrainedTokenizer
 from utils.data.wikitext import LMBlockDataset
 
@@ -40,8 +45,8 @@ class TokensConfig:
     limit_train_tokens: int | None = None  # use only the first N training tokens (None = all)
     limit_eval_tokens: int | None = None  # use only the first N validation tokens (None = all)
     sample_tokens: int = 24  # greedy tokens per fixed prompt that each validation writes to TensorBoard (0: none)
-    packing: str = "concat"  # rows cut from the one stream of documents (the only packing of data=tokens yet)
-    attention: str = "causal"  # causal over the whole row (the only attention of data=tokens yet)
+    packing: str = "concat"  # concat | documents: rows cut from one stream, their document starts flagged or not
+    attention: str = "causal"  # causal | document: over the whole row, or inside each document (packing=documents)
 
     def __post_init__(self):
         require(self.kind == "tokens", f"kind {self.kind!r} is not tokens", "data.kind",
@@ -50,9 +55,7 @@ class TokensConfig:
                 "data.valid_fraction", "hold out a fraction of the documents, e.g. 0.01")
         require(self.verify in VERIFY, f"unknown verify {self.verify!r}", "data.verify",
                 f"choose {' or '.join(VERIFY)}")
-        require(self.packing == "concat" and self.attention == "causal", f"data.packing={self.packing} with "
-                f"data.attention={self.attention}: the shards are read as one stream (concatenated packing)",
-                "data.packing", "set data.packing=concat and data.attention=causal with data=tokens")
+        check_packing(self.packing, self.attention)
         require(self.resident_mib > 0, f"resident_mib must be positive, got {self.resident_mib}", "data.resident_mib",
                 "give the MiB of mapped shard pages a reader may hold, e.g. 64")
         require(self.seq_len > 0, f"seq_len must be positive, got {self.seq_len}", "data.seq_len",
@@ -78,6 +81,37 @@ def token_counts(stream: ShardStream, vocab_size: int, limit: int, chunk: int = 
     return counts
 
 
+class PackedShardRows(Dataset):
+    """data.packing=documents on shards: the rows of `blocks` (over a ShardStream) with their document starts
+    flagged as utils.data.packing flags WikiText's: the split's first token and the EOS before every later
+    document (the one separating it from the one before). The starts of a row are looked up in the shards'
+    memory-mapped document starts, so memory does not grow with the corpus."""
+
+    def __init__(self, blocks: LMBlockDataset, index: Index):
+        self.blocks, self.seq_len, self.index, self.stream = blocks, blocks.seq_len, index, blocks.tokens
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def flags(self, start: int, stop: int) -> np.ndarray:
+        """bool (stop - start,): which tokens of stream[start:stop] are flagged as document starts."""
+        stream, flags = self.stream, np.zeros(stop - start, dtype=bool)
+        first = int(np.searchsorted(stream.ends, start, side="right"))
+        last = min(int(np.searchsorted(stream.ends, stop, side="right")), len(stream.segments) - 1)
+        for k in range(first, last + 1):  # the segments whose flags can fall in [start, stop)
+            shard, a, b = (int(v) for v in stream.segments[k])
+            begin = int(stream.ends[k]) - (b - a)  # where segment k starts in the stream
+            docs = document_starts(self.index, shard)
+            inner = np.asarray(docs[np.searchsorted(docs, a, side="right"):np.searchsorted(docs, b)], np.int64)
+            marks = np.concatenate(([begin - 1 if k else 0], begin + inner - a - 1))
+            flags[marks[(marks >= start) & (marks < stop)] - start] = True
+        return flags
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.blocks[i]
+        return pack_ids(x, torch.from_numpy(self.flags(i * self.seq_len, (i + 1) * self.seq_len))), y
+
+
 @dataclass
 class TokensCorpus:
     """A prepared folder: its index, the tokenizer, and the memory-mapped train and validation streams."""
@@ -86,13 +120,15 @@ class TokensCorpus:
     tokenizer: PretrainedTokenizer
     train: ShardStream
     valid: ShardStream
+    packing: str = "concat"  # data.packing
 
     @property
     def vocab_size(self) -> int:
         return self.index.vocab_size
 
-    def dataset(self, split: str, seq_len: int) -> LMBlockDataset:
-        return LMBlockDataset(getattr(self, split), seq_len, split)
+    def dataset(self, split: str, seq_len: int) -> LMBlockDataset | PackedShardRows:
+        blocks = LMBlockDataset(getattr(self, split), seq_len, split)
+        return blocks if self.packing == "concat" else PackedShardRows(blocks, self.index)
 
     @functools.cached_property
     def unigram_ppl(self) -> float:
@@ -134,4 +170,4 @@ def load_tokens(cfg: TokensConfig) -> TokensCorpus:
         require(len(stream) > cfg.seq_len, f"the {split} split of {root} has {len(stream)} tokens, too few for one "
                 f"row of data.seq_len={cfg.seq_len} + 1", "data.valid_fraction" if split == "valid" else "data.root",
                 "hold out more documents (data.valid_fraction)" if split == "valid" else "prepare a larger corpus")
-    return TokensCorpus(index, tokenizer, *streams)
+    return TokensCorpus(index, tokenizer, *streams, packing=cfg.packing)
