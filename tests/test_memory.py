@@ -95,3 +95,42 @@ def test_the_planner_predicts_each_ranks_host_memory(tmp_path, era5_root, dp_mod
     assert share > 0.7  # the model's state dominates the figure
     assert (plan.gathered_bytes > 0) == (dp_mode == "fsdp")
     assert plan.host_bytes / 2**30 == pytest.approx(measured[0], rel=0.2), (plan.host_bytes / 2**30, measured)
+
+
+def test_a_checkpoint_is_read_tensor_by_tensor(tmp_path, monkeypatch):
+    """read_full gives back what was written (keys, dtypes, values), reading one tensor per dcp.load and only
+    when asked (utils/checkpoints/sharded_state.py iter_full); the forecast command's load_weights fills a model
+    as load_state_dict of the whole read did, reading no optimizer entry, and refuses another model."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from utils import ConfigError
+    from utils.checkpoints.sharded_state import iter_full, read_full, write_full
+    from utils.forecast.report import load_weights
+
+    def model(width: int, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(5, width), nn.LayerNorm(width))
+
+    written = {f"model/{k}": v.clone() for k, v in model(7, 0).state_dict().items()}
+    written |= {"optim/0/exp_avg": torch.randn(7, 5), "trainer/counts": torch.arange(4, dtype=torch.int32)}
+    folder = tmp_path / "ckpt"
+    write_full(written, folder)
+    loads, load = [], dcp.load
+    monkeypatch.setattr(dcp, "load", lambda state, **kw: (loads.append(sorted(state)), load(state, **kw))[1])
+    key, _ = next(iter_full(folder))
+    assert loads == [[key]]  # the first tensor alone: the others are read when asked for
+    full = read_full(folder)
+    assert all(len(keys) == 1 for keys in loads) and len(loads) == 1 + len(written)
+    assert full.keys() == written.keys()
+    for key, tensor in written.items():
+        assert full[key].dtype == tensor.dtype and torch.equal(full[key], tensor), key
+    fresh, loads[:] = model(7, 1), []
+    assert not torch.equal(fresh[0].weight, written["model/0.weight"])
+    load_weights(fresh, folder)
+    assert sorted(k for keys in loads for k in keys) == sorted(k for k in written if k.startswith("model/"))
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, written[f"model/{name}"]), name
+    with pytest.raises(ConfigError, match="holds another model"):
+        load_weights(model(8, 0), folder)

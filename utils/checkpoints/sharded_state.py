@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,14 +315,23 @@ def load_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup)
         dcp.load(tensors, storage_reader=SafeReader(folder), process_group=world.group, no_dist=world.size == 1)
 
 
-def read_full(folder: Path) -> dict[str, torch.Tensor]:
-    """Every entry of a checkpoint as full tensors, in one process (export, inspection, tests)."""
-    shapes = read_shapes(folder)
+def iter_full(folder: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, full tensor) of every tensor entry of a checkpoint whose key starts with `prefix`, one at a time,
+    in one process: each is allocated and read by its own dcp.load of that one key, when the caller asks for
+    it, so the peak is one tensor beyond what the caller keeps (the forecast command keeps none)."""
     metadata = SafeReader(folder).read_metadata().state_dict_metadata
-    tensors = {key: torch.empty(shape, dtype=metadata[key].properties.dtype)
-               for key, shape in shapes.items() if shape is not None}
-    dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=True)
-    return tensors
+    for key, meta in metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and key.startswith(prefix):
+            tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            with _as_error("read"):
+                dcp.load({key: tensor}, storage_reader=SafeReader(folder), no_dist=True)
+            yield key, tensor
+
+
+def read_full(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor entry of a checkpoint (whose key starts with `prefix`) as full tensors, in one process
+    (export, inspection, tests): `iter_full` kept in a dict."""
+    return dict(iter_full(folder, prefix))
 
 
 @torch.no_grad()

@@ -62,7 +62,6 @@ def forecast(args) -> dict:
     import contextlib
 
     from utils.checkpoints.checkpointer import Checkpointer
-    from utils.checkpoints.sharded_state import read_full
     from utils.comm import Grid
     from utils.tasks.forecast import Rollouts, rollout_skill
     from utils.tasks.weather import ForecastEvalConfig, WeatherTaskConfig
@@ -82,14 +81,32 @@ def forecast(args) -> dict:
     if times:
         task.rollouts = Rollouts.of(task.val_set, args.steps, count, [int(t) for t in times], "--init")
     model = task.build_model()
-    state = {k.partition("/")[2]: v for k, v in read_full(args.checkpoint).items() if k.startswith("model/")}
-    model.load_state_dict(state)
+    load_weights(model, args.checkpoint)
     model.eval()
     kept: list = []
     skill = rollout_skill(model, task.rollouts, grid=Grid.serial(), autocast=contextlib.nullcontext,
                           with_baselines=True, keep=kept)
     members = ensemble(args, model, task.rollouts)
     return {"skill": skill, "forecasts": kept[0], "truths": kept[1], "task": task, "members": members}
+
+
+def load_weights(model, folder) -> None:
+    """The checkpoint's model weights into `model`, tensor by tensor (sharded_state.iter_full: the peak is the
+    model and one tensor; the Adam moments are not read), after checking that it holds this model's
+    weights, no more, no fewer, of the same shapes."""
+    import torch
+
+    from utils.checkpoints.sharded_state import iter_full, read_shapes
+
+    targets = model.state_dict()
+    wanted = {f"model/{k}": tuple(t.shape) for k, t in targets.items()}
+    held = {k: s for k, s in read_shapes(folder).items() if k.startswith("model/")}
+    wrong = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
+    require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
+            f"e.g. {wrong[0] if wrong else ''})", "CHECKPOINT", "give a checkpoint of a weather run of this model")
+    with torch.no_grad():
+        for key, tensor in iter_full(folder, "model/"):
+            targets[key.partition("/")[2]].copy_(tensor)
 
 
 def check_ensemble(args) -> None:
