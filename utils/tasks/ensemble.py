@@ -135,8 +135,10 @@ def ensemble_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, members: 
     for lead in range(rollouts.steps):
         states = [forecast_step(model, state, autocast) for state in states]
         physical = torch.stack(states) * stds + means  # (M, B, C, H, W)
-        sums[lead, 0] = crps(physical, truths[lead], weights)[counted].sum(dim=0)
-        sums[lead, 1:] = spread_skill_sums(physical, truths[lead], weights)[:, counted].sum(dim=1)
+        for c in range(sums.shape[-1]):  # a channel at a time: the scores' float64 temporaries stay M x B fields
+            x, y = physical[:, :, c], truths[lead][:, c]
+            sums[lead, 0, c] = crps(x, y, weights)[counted].sum()
+            sums[lead, 1:, c] = spread_skill_sums(x, y, weights)[:, counted].sum(dim=1)
     all_reduce_(sums, batch)
     sums = sums.cpu()
     return {"crps": sums[:, 0] / count, **spread_skill(sums[:, 1:].movedim(1, 0), count, members)}
