@@ -4,7 +4,8 @@
   are sharpened) and the wrong ones random words: accuracy 1.0 under every normalization.
 - Each choice's score equals a float64 computation from the model's logits; batches padded or not agree.
 - Launched on 2 gloo ranks under tp2 and under pp2 the command prints and writes what one process does.
-- Bad items are one line naming the line, exit 2.
+- Bad items are one line naming the line, exit 2; a context longer than the model's positions is cut on the left.
+- Bytes per token add up to the decoded text (word: exactly; byte-level BPE: with each line's prefix space).
 - val/bpb of a tiny validation set equals the summed float64 NLL over ln 2 x the bytes of the decoded targets.
 """
 
@@ -112,6 +113,35 @@ def test_scores_equal_a_float64_computation_from_the_logits(source):
     per_token = choice_scores(items, requests, want, "length")
     torch.testing.assert_close(torch.tensor([r["scores"] for r in result["per_item"]], dtype=torch.float64),
                                torch.tensor(per_token, dtype=torch.float64), rtol=1e-4, atol=1e-3)
+
+
+def test_a_long_context_is_cut_on_the_left(source, tmp_path):
+    _, _, model, tokenizer = source
+    path = tmp_path / "long.jsonl"
+    context = " ".join(WORDS[i % len(WORDS)] for i in range(50))
+    path.write_text(json.dumps({"context": context, "choices": [" w1 w2", " w3"], "answer": 0}) + "\n")
+    items = read_items(path)
+    requests = build_requests(items, tokenizer, model.cfg.max_positions, path)
+    whole = tokenizer.encode_batch([context + " w1 w2"])[0]
+    assert requests[0].ids == whole[-(model.cfg.max_positions + 1):] and requests[0].num_scored == 2
+    got = log_likelihoods(model, requests, 2, torch.device("cpu"))[0]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([whole[-33:-1]]))[0, :, :model.vocab_size].double(), dim=-1)
+    assert got == pytest.approx(logp[-2, whole[-2]].item() + logp[-1, whole[-1]].item(), rel=1e-5)
+
+
+def test_token_bytes_add_up_to_the_decoded_text():
+    from utils.data.tokenizers import WordTokenizer
+
+    lines = ["the cat sat", "a zebra on the mat quietly", "caf\u00e9 na\u00efve"]
+    word = WordTokenizer.train(lines)
+    table = token_bytes(word)
+    for ids in word.encode_batch(lines):  # a word and its separator; the line's newline is its last word's
+        assert table[ids + [word.eos_id]].sum() == len(word.decode(ids + [word.eos_id]).encode("utf-8"))
+    bpe = BPETokenizer.train(lines, 300)
+    table = token_bytes(bpe)
+    for ids in bpe.encode_batch(lines):  # byte-level: exact, with the space the encoder puts before each line
+        assert table[ids + [bpe.eos_id]].sum() == len((" " + bpe.decode(ids) + "\n").encode("utf-8"))
 
 
 def _evaluate_on_rank(rank: int, world: int, folder: str, path: str, out: str, layout: list[str]) -> None:
