@@ -172,7 +172,8 @@ def test_bad_bandwidths_file_is_one_line_exit_2(tmp_path, capsys, fields, what):
 # collectives, the peak in backward), the GPT's tied head and embedding (one tensor after allocation).
 # The ViT cases run in the slow tier (tests/conftest.py SLOW_TESTS), the GPT's in the fast one.
 VIT_FAST_VS_FULL = [(["parallel=tp2", "parallel.dp=2", "parallel.sequence_parallel=true"], 4),
-                    (["parallel=cp2", "parallel.dp=2", "trainer.activation_checkpointing=true"], 4)]
+                    (["parallel=cp2", "parallel.dp=2", "trainer.activation_checkpointing=true"], 4),
+                    (["parallel=tp2", "parallel.dp=2", "parallel.dp_mode=fsdp"], 4)]  # FSDP's units extended
 
 
 def test_probed_meta_plan_equals_the_full_initialised_one():
