@@ -297,7 +297,8 @@ def test_resident_memory_stays_bounded_on_larger_shards(tmp_path):
 @pytest.mark.slow
 def test_train_py_on_shards_equals_the_wikitext_run(twins, tokenizer, tmp_path):
     """train.py with data=tokens trains exactly as data=wikitext does on the same text and tokenizer: the
-    preset composes, the rows and their order are the WikiText reader's, so the loss curves are equal."""
+    preset composes, the rows and their order are the WikiText reader's, so the loss curves are equal; and
+    utils.generate samples from the run's checkpoint with the tokenizer copied beside the shards."""
     base, _, _ = twins
     common = ["model=gpt_tiny", "data.seq_len=16", "data.sample_tokens=0", "trainer.global_batch_size=8",
               "model.embed_dim=64", *QUIET, "trainer.log_every=1", "trainer.max_steps=4"]
@@ -308,6 +309,9 @@ def test_train_py_on_shards_equals_the_wikitext_run(twins, tokenizer, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         curves.append([v for _, v in read_scalars(tmp_path / name)["train/loss"]])
     assert len(curves[0]) == 4 and all(np.isfinite(curves[0])) and curves[0] == curves[1], curves
+    checkpoint = tmp_path / "tokens" / "checkpoints" / "step_0000004"  # sampled with the shards' tokenizer copy
+    code, out, err = run_main("utils.generate.command", str(checkpoint), "--prompt", "The town", "--max-new-tokens=3")
+    assert code == 0 and out.startswith("The town"), err
 
 
 @pytest.mark.parametrize("args,setting", [(["data.root=/nonexistent"], "data.root"),

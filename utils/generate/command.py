@@ -147,10 +147,18 @@ def load_checkpoint(folder: Path, tokenizer: Path | None, data: list[str], devic
 
 
 def run_tokenizer(data_cfg):
-    """The tokenizer a language run trained with: its corpus's cached word or BPE vocabulary, or its folder."""
+    """The tokenizer a language run trained with: its corpus's cached word or BPE vocabulary, its folder, or
+    (data=tokens) the copy that prepare put beside the shards."""
     from utils.data.cache import cache_folders
+    from utils.data.tokenizers import PretrainedTokenizer
+    from utils.data.tokens import TokensConfig
     from utils.data.wikitext import load_tokenizer, locate
 
+    if isinstance(data_cfg, TokensConfig):
+        try:
+            return PretrainedTokenizer.load(data_cfg.tokenizer)
+        except ConfigError as err:
+            raise ConfigError(err.what, "data.root", "give the run's shard folder: data.root=DIR") from None
     folder, sources = locate(data_cfg)
     return load_tokenizer(data_cfg, sources["train"], cache_folders(folder, data_cfg.cache_dir))[0]
 
