@@ -1,7 +1,8 @@
 """Packed documents with per-document attention through the real entry point: llama_tiny on a corpus of short
 articles (10 to 44 tokens: every row of 64 holds several boundaries; `data.packing=documents
 data.attention=document`) under tp2, cp2 with each variant (ring, all-gather,
-all-to-all; hierarchical needs two groups: cp4), pp2, FSDP dp2, tp2 x cp2 and cp2 with activation checkpointing (the
+all-to-all; hierarchical needs two groups: cp4), pp2 (1F1B, interleaved 1F1B and the zero-bubble V: several
+stages per rank, each given its micro-batch's ids), FSDP dp2, tp2 x cp2 and cp2 with activation checkpointing (the
 recomputed blocks read the same documents) follows the single-process loss curve, gradient
 norm and validation loss (fp32, relative 1e-4), and that curve is not the one of rows cut from one stream.
 """
@@ -21,7 +22,8 @@ PACKED_LAYOUTS = {"tp2": LAYOUTS["tp2"], "cp2_ring": LAYOUTS["cp2"], "cp2_allgat
                   "parallel.cp_attention=allgather"], "cp2_alltoall": LAYOUTS["cp2_alltoall"],
                   "cp4_hierarchical": LAYOUTS["cp4_hierarchical"], "pp2": LAYOUTS["pp2_1f1b"],
                   "fsdp_dp2": LAYOUTS["fsdp_dp2"], "cp2_accum2_ckpt": LAYOUTS["cp2_accum2_ckpt"],
-                  "tp2cp2": ["parallel=tp2cp2"]}
+                  "tp2cp2": ["parallel=tp2cp2"], "pp2_interleaved": LAYOUTS["pp2_interleaved"],
+                  "pp2_zbv": ["parallel=pp2", "parallel.pp_schedule=zbv"]}
 
 
 def same(reference, other) -> None:
