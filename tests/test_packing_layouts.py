@@ -65,3 +65,12 @@ def test_packed_layouts_follow_the_single_process_curve(layout, packed_reference
     same(reference, curves(run_layout(tmp, layout, PACKED, f"data.root={corpus_root}", f"trainer.max_steps={STEPS}",
                                                  *PACKED_LAYOUTS[layout])))
 
+
+
+def test_gpt_learned_positions_packed_under_cp2_and_pp2(tmp_path, corpus_root):
+    """GPT-2's learned position table read at positions reset per document, before the cp split (the full
+    rows) and on the first pipeline stage only: cp2 and pp2 follow the single process."""
+    gpt = ["model=gpt_tiny", *PACKED[1:], f"data.root={corpus_root}", f"trainer.max_steps={STEPS}"]
+    reference = curves(run_layout(tmp_path, "single", gpt))
+    for layout in ("cp2_ring", "pp2"):
+        same(reference, curves(run_layout(tmp_path, layout, gpt, *PACKED_LAYOUTS[layout])))
