@@ -179,6 +179,10 @@ def test_bf16_rollouts_follow_the_fp32_rollout(single, era5_root, tmp_path):
      "prints every setting"),
     (["task.eval.steps=0"],
      "error: steps must be positive (task.eval.steps): set a positive integer"),
+    (["task.eval.members=-1"],
+     "error: members must be >= 0 (task.eval.members): set 0 (none) or 2 or more"),
+    (["task.eval.perturbation_std=-0.1"],
+     "error: perturbation_std must be >= 0 (task.eval.perturbation_std): set a value >= 0"),
     (["task.rollout_train_steps=2", "parallel.pp=2"],
      "error: task.rollout_train_steps=2 with parallel.pp=2: a rollout feeds the last stage's prediction back to "
      "the first stage within one step, which the pipeline schedules do not do (task.rollout_train_steps): use "
