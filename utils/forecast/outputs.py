@@ -45,8 +45,7 @@ def write_spectra(out: Path, result: dict, leads: list[float], step: int,
     returns the paths and the blurring (K, C)."""
     rollouts = result["task"].rollouts
     names = [c.name for c in rollouts.reader.channels]
-    lat = rollouts.latitudes
-    predicted, true = spectra.lead_spectra(result["forecasts"], lat), spectra.lead_spectra(result["truths"], lat)
+    predicted, true = result["spectra"]["forecast"], result["spectra"]["truth"]  # the rollout's (report.py)
     blur = spectra.blurring(predicted, true)  # (K, C)
     paths = [out / "spectra.csv"]
     with paths[0].open("w", newline="") as f:

@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None):
 
 
 def forecast(args) -> dict:
-    """Roll the checkpoint's model out and return {skill, forecasts, truths, task}."""
+    """Roll the checkpoint's model out and return {skill, forecasts, truths, task, members, spectra}."""
     import contextlib
 
     from utils.checkpoints.checkpointer import Checkpointer
@@ -83,11 +83,12 @@ def forecast(args) -> dict:
     model = task.build_model()
     load_weights(model, args.checkpoint)
     model.eval()
-    kept: list = []
+    kept, spectra = [], {}
     skill = rollout_skill(model, task.rollouts, grid=Grid.serial(), autocast=contextlib.nullcontext,
-                          with_baselines=True, keep=kept)
+                          with_baselines=True, keep=kept, spectra=spectra)
     members = ensemble(args, model, task.rollouts)
-    return {"skill": skill, "forecasts": kept[0], "truths": kept[1], "task": task, "members": members}
+    return {"skill": skill, "forecasts": kept[0], "truths": kept[1], "task": task, "members": members,
+            "spectra": spectra}
 
 
 def load_weights(model, folder) -> None:
