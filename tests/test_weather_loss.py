@@ -102,7 +102,8 @@ def test_the_models_criterion_is_the_configured_loss(era5_root, loss):
 def test_evaluation_settings_are_resume_safe_and_training_settings_not(era5_root):
     base = load_config([f"data.root={era5_root}"])[2]
     _, choices, evaluation = load_config([f"data.root={era5_root}", "task.eval.every=5", "task.eval.steps=4",
-                                          "task.eval.inits=2"])
+                                          "task.eval.inits=2", "task.eval.members=8",
+                                          "task.eval.perturbation_std=0.1", "task.eval.perturbation_length=0"])
     training = load_config([f"data.root={era5_root}", "task.loss=area_mse", "task.rollout_train_steps=2"])[2]
     assert differences(base, evaluation) == []  # the resume is not refused
     assert override_digest(evaluation, choices) == ""  # nor the run renamed (data.root is resume-safe too)
