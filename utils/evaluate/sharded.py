@@ -24,8 +24,11 @@ def ranks_of_launch() -> int:
     return launch_env().world_size
 
 
-def sharded_model(described, source, *, tp: int, pp: int) -> tuple[nn.Module, Grid]:
-    """(the model to call: this rank's shards, or the forward pass through the pipeline's stages; the grid)."""
+def sharded_model(described, source, *, tp: int, pp: int, sequence_parallel: bool | None = None
+                  ) -> tuple[nn.Module, Grid]:
+    """(the model to call: this rank's shards, or the forward pass through the pipeline's stages; the grid).
+    `sequence_parallel`: as training resolves it when None (on with GPUs); False for generation, whose
+    one-token steps cannot be split over tp."""
     from utils.cli.config import load_config
     from utils.comm import check_grid, init_grid
     from utils.engine.build import build_model, load_model_weights
@@ -35,8 +38,9 @@ def sharded_model(described, source, *, tp: int, pp: int) -> tuple[nn.Module, Gr
     require(tp * pp == world, f"--tp {tp} x --pp {pp} is not the launch's {world} ranks", "--tp",
             f"give --tp and --pp whose product is {world}")
     arch = described.cfg.arch
+    sp = [] if sequence_parallel is None else [f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]
     base, _, _ = load_config([f"model={arch}_tiny", "data=wikitext_sample", f"parallel.tp={tp}",
-                              f"parallel.pp={pp}", "parallel.dp=1", f"trainer.global_batch_size={pp}"])
+                              f"parallel.pp={pp}", "parallel.dp=1", f"trainer.global_batch_size={pp}", *sp])
     data = dataclasses.replace(base.data, seq_len=described.cfg.max_positions, sample_tokens=0)
     cfg = dataclasses.replace(base, model=described.cfg, data=data)  # the source's model, checked again
     check_pairing(cfg)

@@ -2,15 +2,20 @@
 
     python -m utils.generate runs/<run>/checkpoints/step_0000100 --prompt "The castle" --max-new-tokens 40
     python -m utils.generate hf/<name> --prompts prompts.txt --temperature 0.8 --top-k 50 --top-p 0.9 --seed 1
+    torchrun --nproc-per-node 2 -m utils.generate hf/<name> --prompt "The castle" --temperature 0
 
 A checkpoint is read in one process as export reads it (every shard, any layout; the model's entries only), with
 the run's model settings (config.yaml) and tokenizer (`data.tokenizer`: the word or BPE vocabulary trained on the
 run's corpus, found in its cache, or the tokenizer folder it named; `--tokenizer` overrides). A Hugging Face
 folder (GPT-2, Llama: utils/checkpoints/hf.py) brings its tokenizer.json. `--prompts FILE` holds one prompt per
 line, sampled as one batch (`--padding left|right`: the result is the same). Sampling, the KV cache and the
-padding are utils/tasks/sampling.py's. Each sample prints as its prompt followed by the continuation (up to the
-end-of-text token), one blank line between samples; the throughput goes to stderr. Bad input (a missing folder,
-a checkpoint of the weather model, a top-p outside (0, 1], ...): one line on stderr, exit 2, before any work.
+padding are utils/tasks/sampling.py's. Launched on several ranks (torchrun; `python train_mp.py` starts only
+train.py), the model is built tensor parallel over them as `python -m utils.evaluate` builds it
+(utils/evaluate/sharded.py: tp = the ranks, no sequence parallelism), each rank holding its heads and their KV
+cache; every rank picks the same tokens and rank 0 prints. Each sample prints as its prompt followed by the
+continuation (up to the end-of-text token), one blank line between samples; the throughput goes to stderr.
+Bad input (a missing folder, a checkpoint of the weather model, a top-p outside (0, 1], a tp that does not divide
+the heads, ...): one line on stderr, exit 2, before any work.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 
 from utils import ConfigError, exit_bad_input, require
+from utils.comm import Axis, AxisGroup
 from utils.tasks.sampling import PADDINGS, Sampling, sample
 
 
@@ -218,6 +224,20 @@ def encode(source: Source, lines: list[str], new_tokens: int) -> list[list[int]]
     return prompts
 
 
+def load(args) -> tuple[Source, AxisGroup | None, str, bool]:
+    """(the source: the whole model, or this rank's tensor-parallel shards; the tp axis (None: one process); the
+    device; whether this rank prints)."""
+    from utils.evaluate.sharded import ranks_of_launch, sharded_model
+
+    world = ranks_of_launch()
+    if world == 1:
+        return load_source(args), None, args.device, True
+    described = describe_source(args)
+    model, grid = sharded_model(described, args.source, tp=world, pp=1, sequence_parallel=False)
+    source = Source(model, described.tokenizer, described.tokenizer.eos_id)
+    return source, grid.axis(Axis.TP), f"{grid.device}, tp{world}", grid.is_main
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -225,17 +245,19 @@ def main(argv: list[str] | None = None) -> int:
         require(args.max_new_tokens > 0, f"--max-new-tokens {args.max_new_tokens}", "--max-new-tokens",
                 "give a positive number of tokens")
         lines = read_prompts(args)
-        source = load_source(args)
+        source, tp, device, main_rank = load(args)
         prompts = encode(source, lines, args.max_new_tokens)
     except ConfigError as err:
         exit_bad_input(err)
     start = time.perf_counter()
     outs = sample(source.model, prompts, args.max_new_tokens, sampling, eos_id=source.eos_id, seed=args.seed,
-                  cache=not args.no_kv_cache, padding=args.padding)
+                  cache=not args.no_kv_cache, padding=args.padding, tp=tp)
     seconds = time.perf_counter() - start
+    if not main_rank:
+        return 0
     trim = [o[:-1] if o and o[-1] == source.eos_id else o for o in outs]  # the end token is not text
     print("\n\n".join(source.tokenizer.decode(p + o) for p, o in zip(prompts, trim, strict=True)))
     count = sum(map(len, outs))
     print(f"{count} tokens in {seconds:.2f} s ({count / seconds:.1f} tokens/s, {len(prompts)} prompts, KV cache "
-          f"{'off' if args.no_kv_cache else 'on'}, {args.device})", file=sys.stderr)
+          f"{'off' if args.no_kv_cache else 'on'}, {device})", file=sys.stderr)
     return 0

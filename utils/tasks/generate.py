@@ -1,7 +1,7 @@
 """Greedy decoding for the language model, on any layout: the decoder of parallel models.
 
 Validation writes continuations with it (utils/tasks/) and the tests call it on serial and
-parallel models alike; sampling in one process with a KV cache is utils/tasks/sampling.py, whose
+parallel models alike; sampling with a KV cache (one process or tensor parallel) is utils/tasks/sampling.py, whose
 token choice (`choose`, greedy here) it shares.
 
 Every step runs the model on a window of one fixed width (prompt plus new tokens, at most

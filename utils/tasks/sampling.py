@@ -9,7 +9,12 @@ The loop (`sample`): prompts of different lengths are padded into one batch, lef
 padded prompt continues as it does alone. With the cache, the first forward reads the prompts and each later one
 only the newest token; without it (`cache=False`), each forward reads the whole text again (quadratic: the
 reference the cache is checked against). A row stops at its end-of-text token; the loop when every row has.
-One process: parallel layouts decode greedily with `utils.tasks.generate.greedy_decode` (validation's samples).
+Under tensor parallelism (`tp`, `python -m utils.generate` on several ranks) the model is this rank's shards:
+each rank caches its own heads' keys and values, the vocabulary-parallel head gives each rank its vocabulary
+columns of the logits, and only the last position's columns are gathered over tp (B rows, never the sequence);
+every rank draws from the same gathered logits with the same seeded generator, and tp rank 0's token is
+broadcast, so all ranks carry on with one text. Other layouts decode greedily with
+`utils.tasks.generate.greedy_decode` (validation's samples).
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from distributed.collectives import broadcast_
+from distributed.tensor.vocab import gather_vocab
 from networks.transformer import Decoding
 from utils import require
+from utils.comm import Axis, AxisGroup, Grid
 
 PADDINGS = ("left", "right")
 
@@ -84,11 +92,14 @@ def pad_prompts(prompts: list[list[int]], padding: str, pad_id: int = 0) -> tupl
 @torch.no_grad()
 def sample(model: nn.Module, prompts: list[list[int]], new_tokens: int, sampling: Sampling, *,
            eos_id: int | None = None, seed: int = 0, cache: bool = True, padding: str = "left",
-           on_logits=None) -> list[list[int]]:
+           on_logits=None, tp: AxisGroup | None = None) -> list[list[int]]:
     """The continuation of each prompt (token ids, up to its end-of-text token included, at most `new_tokens`).
 
-    `model`: a one-process `networks.transformer.GPT`, run in eval mode on its own device. `on_logits(step,
-    logits (B, V))` sees the logits each token is chosen from (tests compare the cached and uncached ones)."""
+    `model`: a `networks.transformer.GPT`, run in eval mode on its own device: one process's, or this rank's
+    shards under tensor parallelism over `tp` (None: one process; no sequence parallelism, whose splits a
+    one-token step cannot take). `on_logits(step, logits (B, V))` sees the logits each token is chosen from
+    (tests compare the cached and uncached ones, and the sharded ones)."""
+    tp = tp or Grid.serial().axis(Axis.TP)
     device = next(model.parameters()).device
     ids, valid = (t.to(device) for t in pad_prompts(prompts, padding))
     last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)  # (B,) each prompt's last real token
@@ -99,12 +110,12 @@ def sample(model: nn.Module, prompts: list[list[int]], new_tokens: int, sampling
     was_training = model.training
     model.eval()
     try:
-        logits = model(ids, decoding)[torch.arange(len(prompts), device=device), last]  # (B, V_padded)
+        logits = model(ids, decoding)[torch.arange(len(prompts), device=device), last]  # (B, V_local)
         for step in range(new_tokens):
-            logits = logits[:, :model.vocab_size]
+            logits = gather_vocab(logits, tp, model.padded_vocab)[:, :model.vocab_size]  # (B, V)
             if on_logits is not None:
                 on_logits(step, logits)
-            token = choose(logits, sampling, generator)  # (B,)
+            token = broadcast_(choose(logits, sampling, generator), tp, 0)  # (B,) tp rank 0's draw on every rank
             out = torch.cat((out, token[:, None]), dim=1)
             if eos_id is not None:
                 done |= token == eos_id
