@@ -253,8 +253,17 @@ def test_vit_tp2_without_sequence_parallelism(vit_reference, era5_root):
     assert_same_curve(reference, curves(run_dir))
 
 
-# bf16 under cp's ring and fp16's loss scaler under pp: the ViT's matrix cases (vit-cp2pp2-*-ring, vit-tp2cp2-bf16-ring,
-# vit-cp2pp2-fp16-*), within bounds derived from the spread of correct layouts, far below 8 unit roundoffs
+def test_the_matrix_runs_the_vits_bf16_ring_and_fp16_pipeline():
+    """bf16 under cp's ring and fp16's loss scaler under pp are left to the matrix's ViT cases (bounds derived from
+    the spread of correct layouts, far below 8 unit roundoffs): the covering set must hold them."""
+    from tests.matrix import covering_set
+
+    accepted, _ = covering_set()
+    vit = [c for c in accepted if c.model == "vit"]
+    assert any(c.precision == "bf16" and c.cp > 1 and c.cp_attention == "ring" for c in vit)
+    assert any(c.precision == "fp16" and c.pp > 1 for c in vit)
+
+
 @pytest.mark.parametrize("mode,layout", [("bf16", ["parallel.dp=2", "parallel.dp_mode=fsdp"])])
 def test_mixed_precision_under_model_parallelism(mode, layout, era5_root, tmp_path):
     """bf16 under FSDP2 over dp=2, 8 steps: every logged loss, gradient norm and validation loss finite (no inf,
