@@ -26,7 +26,7 @@ from utils import ConfigError, require
 from utils.data.packing import check_packing
 from utils.data.shards import Index, ShardStream, check_shards, document_starts, held_out_split, read_index
 from utils.data.tokenizers import PretrainedTokenizer
-from utils.data.wikitext import LMBlockDataset
+from utils.data.wikitext import LMBlockDataset, check_rows
 
 VERIFY = ("checksum", "size")
 UNIGRAM_TOKENS = 1 << 24  # tokens of each split the unigram baseline reads (a corpus may exceed memory)
@@ -58,14 +58,7 @@ class TokensConfig:
         check_packing(self.packing, self.attention)
         require(self.resident_mib > 0, f"resident_mib must be positive, got {self.resident_mib}", "data.resident_mib",
                 "give the MiB of mapped shard pages a reader may hold, e.g. 64")
-        require(self.seq_len > 0, f"seq_len must be positive, got {self.seq_len}", "data.seq_len",
-                "set a positive number of tokens")
-        require(self.sample_tokens >= 0, f"sample_tokens must be >= 0, got {self.sample_tokens}", "data.sample_tokens",
-                "set 0 (no continuations) or the number of tokens to generate per prompt")
-        for name in ("limit_train_tokens", "limit_eval_tokens"):
-            value = getattr(self, name)
-            require(value is None or value > self.seq_len, f"{name} {value} leaves no block of seq_len tokens",
-                    f"data.{name}", f"set null or more than data.seq_len={self.seq_len} tokens")
+        check_rows(self)
 
     @property
     def tokenizer(self) -> str:

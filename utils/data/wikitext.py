@@ -87,14 +87,20 @@ class WikiTextConfig:
         require(260 <= self.bpe_vocab_size <= 1_000_000, f"bpe_vocab_size {self.bpe_vocab_size} out of range",
                 "data.bpe_vocab_size", "use 260 (256 bytes + specials) to 1000000 tokens, e.g. 8192")
         check_packing(self.packing, self.attention)
-        require(self.seq_len > 0, f"seq_len must be positive, got {self.seq_len}", "data.seq_len",
-                "set a positive number of tokens")
-        require(self.sample_tokens >= 0, f"sample_tokens must be >= 0, got {self.sample_tokens}", "data.sample_tokens",
-                "set 0 (no continuations) or the number of tokens to generate per prompt")
-        for name in ("limit_train_tokens", "limit_eval_tokens"):
-            value = getattr(self, name)
-            require(value is None or value > self.seq_len, f"{name} {value} leaves no block of seq_len tokens",
-                    f"data.{name}", f"set null or more than data.seq_len={self.seq_len} tokens")
+        check_rows(self)
+
+
+def check_rows(cfg) -> None:
+    """The row settings every language-model data source shares (WikiTextConfig, TokensConfig): seq_len,
+    sample_tokens and the token limits of each split."""
+    require(cfg.seq_len > 0, f"seq_len must be positive, got {cfg.seq_len}", "data.seq_len",
+            "set a positive number of tokens")
+    require(cfg.sample_tokens >= 0, f"sample_tokens must be >= 0, got {cfg.sample_tokens}", "data.sample_tokens",
+            "set 0 (no continuations) or the number of tokens to generate per prompt")
+    for name in ("limit_train_tokens", "limit_eval_tokens"):
+        value = getattr(cfg, name)
+        require(value is None or value > cfg.seq_len, f"{name} {value} leaves no block of seq_len tokens",
+                f"data.{name}", f"set null or more than data.seq_len={cfg.seq_len} tokens")
 
 
 # ---------------------------------------------------------------------------------------------- files
