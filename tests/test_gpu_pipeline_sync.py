@@ -16,7 +16,7 @@ import torch
 
 from distributed.pipeline import schedule
 from distributed.pipeline.schedule import Pipeline
-from distributed.pipeline.stages import CountedStage
+from distributed.pipeline.torch_stages import CountedStage, busy_seconds
 
 
 class Event:
@@ -78,4 +78,4 @@ def test_stage_hands_over_its_events_without_waiting():
     Event.waited = []
     taken = stage.take_busy()
     assert taken == events and stage._events == [] and Event.waited == []
-    assert CountedStage.busy_seconds(taken) == pytest.approx(7e-3) and Event.waited == ["d"]
+    assert busy_seconds(taken) == pytest.approx(7e-3) and Event.waited == ["d"]

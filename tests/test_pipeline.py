@@ -17,7 +17,8 @@ import torch
 from distributed.grad_norm import grad_norm
 from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stage_plan import SCHEDULES, block_split, bubble_fraction, resolve_plan
-from distributed.pipeline.stages import build_stages, cut_for_rank
+from distributed.pipeline.stages import cut_for_rank
+from distributed.pipeline.torch_stages import build_stages
 from networks.transformer import GPT, GPTConfig
 from networks.vit import ViT, ViTConfig
 from tests.helpers import run_ranks

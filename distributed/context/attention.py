@@ -52,7 +52,17 @@ from utils.schema import CP_VARIANTS
 VARIANTS = CP_VARIANTS
 
 
-@torch.compiler.disable
+def eager_between_graphs(fn):
+    """`fn` under `torch.compiler.disable`, made when a layer that needs it is built: the decorator imports
+    torch._dynamo (most of a second), which a process without a ring need not pay at its start."""
+    if fn not in _EAGER:
+        _EAGER[fn] = torch.compiler.disable(fn)
+    return _EAGER[fn]
+
+
+_EAGER: dict = {}
+
+
 def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShards, causal: bool,
           documents: Documents | None = None) -> torch.Tensor:
     """The ring runs eagerly between compiled graphs: its point-to-point hops and the block plan it
@@ -63,7 +73,6 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShar
                           documents, "ring")
 
 
-@torch.compiler.disable
 def _hierarchical_ring(q, k, v, outer: AxisGroup, sizes: list[int], positions, bounds,
                        documents: Documents | None = None) -> torch.Tensor:
     """The ring across the groups runs eagerly, as the flat ring does."""
@@ -82,6 +91,8 @@ class ContextParallelAttention(nn.Module):
         assert (variant == "hierarchical") == (hierarchy is not None), "hierarchical attention needs its two groups"
         self.shards, self.causal, self.variant, self.dropout = shards, causal, variant, dropout
         self.hierarchy = hierarchy  # (all-to-all group, ring across the groups): utils.comm.Grid.cp_hierarchy
+        if variant in ("ring", "hierarchical"):  # eager between compiled graphs (see `_ring`)
+            self.ring = eager_between_graphs(_ring if variant == "ring" else _hierarchical_ring)
 
     @classmethod
     def from_serial(cls, core: nn.Module, shards: ContextShards, variant: str,
@@ -95,7 +106,7 @@ class ContextParallelAttention(nn.Module):
         shards = self.shards
         assert documents is None or self.causal, "documents are masked in causal models only"
         if self.variant == "ring":
-            return _ring(q, k, v, shards, self.causal, documents)
+            return self.ring(q, k, v, shards, self.causal, documents)
         if self.variant == "alltoall":
             return self._alltoall(q, k, v, documents)
         if self.variant == "hierarchical":
@@ -140,7 +151,7 @@ class ContextParallelAttention(nn.Module):
         if k.shape[1] % inner.size:  # grouped K/V heads the group does not divide: one copy per query head
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         q, k, v = (sequence_to_heads(t, inner, members) for t in (q, k, v))  # (B, h/a, the group's tokens, d)
-        out = _hierarchical_ring(q, k, v, outer, sizes, positions if self.causal else None, bounds, documents)
+        out = self.ring(q, k, v, outer, sizes, positions if self.causal else None, bounds, documents)
         return heads_to_sequence(out, inner, members)
 
     def extra_repr(self) -> str:

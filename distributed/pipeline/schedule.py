@@ -19,18 +19,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed.pipelining.schedules as torch_schedules
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distributed.collectives import all_reduce_, broadcast_, recv, send
 from distributed.data_parallel import sum_grads
 from distributed.pipeline.stage_plan import SCHEDULES, PipelinePlan
-from distributed.pipeline.stages import CountedStage, StageModule
+from distributed.pipeline.stages import StageModule
 from utils import ConfigError
 from utils.comm import Axis, Grid
+
+if TYPE_CHECKING:
+    from distributed.pipeline.torch_stages import CountedStage
 
 
 class Pipeline:
@@ -46,6 +49,8 @@ class Pipeline:
         self.bubble = float("nan")  # the measured idle fraction, mean over pp (see `train_step`)
         self._timings: deque = deque()  # per step: (each stage's `take_busy`, start mark, end mark), not yet read
         self._bubbles: deque = deque()  # per step: (its pp-mean idle on the host or on its way there, event)
+        import torch.distributed.pipelining.schedules as torch_schedules  # a pipeline's run only: brings dynamo
+
         cls = getattr(torch_schedules, SCHEDULES[plan.schedule][0])
         first = stages[0] if plan.style == "single" else stages
         try:
@@ -102,7 +107,9 @@ class Pipeline:
         if len(self._timings) <= self._lag():
             return float("nan")
         taken, start, end = self._timings.popleft()
-        busy = sum(CountedStage.busy_seconds(t) for t in taken)
+        from distributed.pipeline.torch_stages import busy_seconds  # imported by then (build_stages)
+
+        busy = sum(busy_seconds(t) for t in taken)
         return 1.0 - busy / max(_seconds(start, end), 1e-9)
 
     def _read_bubble(self) -> float:

@@ -30,17 +30,27 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")
 
 
+_STORED: dict[tuple[str | None, str], object] = {}  # (group, name) -> the schema stored under it, in this process
+
+
+def _store(group: str | None, name: str, node) -> None:
+    """ConfigStore's `store`, once per schema and process: storing converts the dataclass to a config (about a
+    tenth of a second per composition under load, paid again by every run of a pooled or sweeping process)."""
+    if _STORED.get((group, name)) is not node:
+        ConfigStore.instance().store(group=group, name=name, node=node)
+        _STORED[(group, name)] = node
+
+
 def register_schemas() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
+    _store(None, "config_schema", Config)
     for spec in MODELS.values():  # config/model/*.yaml and config/data/*.yaml start from these
-        cs.store(group="model", name=f"{spec.arch}_schema", node=spec.schema)
+        _store("model", f"{spec.arch}_schema", spec.schema)
         for name, schema in spec.task.DATA_SCHEMAS.items():  # the task's data sources, config/task/ its settings
-            cs.store(group="data", name=f"{name}_schema", node=schema)
-        cs.store(group="task", name=f"{spec.task.TASK_SCHEMA().kind}_schema", node=spec.task.TASK_SCHEMA)
-    cs.store(group="precision", name="precision_schema", node=PrecisionConfig)
-    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
-    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+            _store("data", f"{name}_schema", schema)
+        _store("task", f"{spec.task.TASK_SCHEMA().kind}_schema", spec.task.TASK_SCHEMA)
+    _store("precision", "precision_schema", PrecisionConfig)
+    _store("parallel", "parallel_schema", ParallelConfig)
+    _store("optim", "optim_schema", OptimConfig)
 
 
 def presets(group: str) -> list[str]:

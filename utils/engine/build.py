@@ -23,7 +23,7 @@ from distributed.data_parallel import local, wrap_data_parallel
 from distributed.fsdp import param_groups, shard_data_parallel
 from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stage_plan import PipelinePlan, resolve_plan
-from distributed.pipeline.stages import build_stages, cut_for_rank
+from distributed.pipeline.stages import cut_for_rank
 from distributed.placement import local_pieces
 from distributed.rng import seed_default_stream
 from distributed.tensor.parallelize import parallelize, sequence_parallel_notice, sequence_parallel_on
@@ -113,6 +113,8 @@ def pipeline_plan(cfg: Config) -> PipelinePlan:
 
 def build_pipeline(cfg: Config, task: Task, grid: Grid, model: nn.Module, plan: PipelinePlan):
     """(Pipeline, PipelineForward) over this rank's stages of the cut `model`, with static shapes."""
+    from distributed.pipeline.torch_stages import build_stages  # torch.distributed.pipelining: pp runs only
+
     parts = grid.batch.size * cfg.trainer.grad_accum_steps * plan.microbatches
     example = task.example_batch(cfg.trainer.global_batch_size // parts, torch.device("meta"))[0]
     mode = cfg.precision.mode
