@@ -217,7 +217,10 @@ def build_loaders(train_set: Dataset, val_set: Dataset, *, global_batch_size: in
     if worker_start != "fork" and num_workers > 0:
         with stop_signals_blocked():
             multiprocessing.resource_tracker.ensure_running()
-            if worker_start == "forkserver":
+            if worker_start == "forkserver":  # the server imports what a worker unpickles (torch, the datasets)
+                # once, and every worker forks with it loaded: otherwise each imports it again, seconds apiece
+                preload = dict.fromkeys(["__main__", __name__, type(train_set).__module__, type(val_set).__module__])
+                multiprocessing.forkserver.set_forkserver_preload(list(preload))
                 multiprocessing.forkserver.ensure_running()
     init = partial(start_worker, os.getpid())
     workers = {"num_workers": num_workers, "pin_memory": pin_memory, "persistent_workers": num_workers > 0,
