@@ -134,3 +134,52 @@ def test_a_checkpoint_is_read_tensor_by_tensor(tmp_path, monkeypatch):
         assert torch.equal(tensor, written[f"model/{name}"]), name
     with pytest.raises(ConfigError, match="holds another model"):
         load_weights(model(8, 0), folder)
+
+
+FREED_BLOCKS = """
+import sys, torch
+from utils.engine.memory import fix_mmap_threshold
+
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+def given_back():  # MiB no longer resident once 40 blocks of 2 MiB are freed, a smaller tensor after each kept
+    blocks, kept = [], []
+    for _ in range(40):
+        blocks.append(torch.ones(2 << 18))
+        kept.append(torch.ones(1 << 16))  # 256 KiB from the heap, after its block when that came from it too
+    peak = resident_mib()
+    del blocks
+    return peak - resident_mib(), kept
+
+fixed = fix_mmap_threshold(int(sys.argv[1]))  # as a run does at its start
+big = torch.ones(16 << 18)  # 16 MiB, mapped on its own; its free raises glibc's moving threshold to 16 MiB
+del big
+print(fixed, given_back()[0])
+"""
+
+
+def test_a_fixed_mmap_threshold_gives_freed_blocks_back(monkeypatch):
+    """trainer.malloc_mmap_threshold_mib (utils/engine/memory.py fix_mmap_threshold): with glibc's moving
+    threshold, blocks of 2 MiB freed below a live tensor stay resident (none of their 80 MiB is given back);
+    fixed at 1 MiB at the start they are unmapped at their free (all of it). MALLOC_MMAP_THRESHOLD_ in the
+    environment is the user's choice: glibc applied it at start, and the setting leaves it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    from utils.engine.memory import fix_mmap_threshold
+
+    def probe(mib: int) -> tuple[str, float]:
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+        done = subprocess.run([sys.executable, "-c", FREED_BLOCKS, str(mib)], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        fixed, back = done.stdout.split()
+        return fixed, float(back)
+
+    assert probe(0) == ("False", pytest.approx(0, abs=8))
+    assert probe(1) == ("True", pytest.approx(80, abs=8))
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
+    assert not fix_mmap_threshold(1)

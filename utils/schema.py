@@ -147,6 +147,10 @@ class TrainerConfig:
     # auto: a GPU per local rank (refused with fewer GPUs than ranks), or the CPU without GPUs | cpu
     device: str = "auto"
     hang_timeout_s: float = 1800.0  # a rank with no progress this long dumps its stacks and exits; 0 = off
+    # >0: glibc's malloc maps blocks of at least this many MiB on their own and unmaps them at free, a fixed
+    # threshold (glibc's own moves up to 32 MiB and keeps freed activations resident); 1 bounds a rank's host
+    # memory at a cost in CPU step time (docs/memory.md: the figures); 0 = glibc's own
+    malloc_mmap_threshold_mib: int = 0
     ckpt_async: bool = False  # write checkpoints from a background thread (one in flight) while training goes on
     profile: bool = False  # torch.profiler trace and top-operator table of profile_steps (utils/engine/profiling.py)
     profile_steps: list[int] = field(default_factory=lambda: [3, 5])  # [start, end], steps counted from 1
@@ -158,7 +162,7 @@ class TrainerConfig:
         for name in ("max_steps", "global_batch_size", "log_every", "grad_accum_steps", "ckpt_keep"):
             value = getattr(self, name)
             require(value > 0, f"{name} must be positive, got {value}", f"trainer.{name}", "set a positive integer")
-        for name in ("val_every", "ckpt_every", "num_workers", "fingerprint_steps"):
+        for name in ("val_every", "ckpt_every", "num_workers", "fingerprint_steps", "malloc_mmap_threshold_mib"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0", f"trainer.{name}", "set 0 or more")
         require(self.stop_at_step is None or self.stop_at_step > 0, "stop_at_step must be positive",
                 "trainer.stop_at_step", "set null or a positive step")

@@ -45,7 +45,7 @@ from utils.data.batching import build_loaders, check_batch
 from utils.engine.flops import mfu_absence, training_flops_per_sample
 from utils.engine.logger import hparam_values, setup_logging
 from utils.engine.materialize import materialize
-from utils.engine.memory import reset_host_peak
+from utils.engine.memory import fix_mmap_threshold, reset_host_peak
 from utils.engine.optim import build_optimizer, build_scheduler
 from utils.engine.precision import autocast, configure_matmul, grad_scaler, precision_notice
 from utils.engine.preemption import StopRequest
@@ -153,6 +153,7 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str, digest: st
     Stop signals are recorded from the first line on (a notice ahead of a time limit can arrive during a
     long checkpoint load or data preparation); the trainer's `fit` acts on them before its first step."""
     request = StopRequest(cfg.trainer.preempt_deadline_s).__enter__()
+    fix_mmap_threshold(cfg.trainer.malloc_mmap_threshold_mib)  # freed blocks go back (utils/engine/memory.py)
     reset_host_peak()  # the run's own high-water mark (utils/engine/memory.py)
     try:
         sizes = check_grid(cfg.parallel)  # the one resolution of the axis sizes for this launch

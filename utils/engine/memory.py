@@ -13,7 +13,9 @@ up to the end of that phase: a phase that raised it is the one whose mark rose.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import resource
 from pathlib import Path
 
@@ -23,6 +25,23 @@ from distributed.collectives import all_gather
 from utils.comm import AxisGroup
 
 PHASES = ("build", "load", "first step", "checkpoint save", "end")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def fix_mmap_threshold(mib: int) -> bool:
+    """Have glibc's malloc serve every request of `mib` MiB or more with a mapping of its own, unmapped at its
+    free, and keep that threshold fixed (`trainer.malloc_mmap_threshold_mib`). glibc starts at 128 KiB and
+    raises the threshold to the size of each such block freed (up to 32 MiB), after which blocks below it come
+    from the heap, whose freed space stays resident unless it lies at the heap's top: a run's activations and
+    gathered weights, freed every step, then hold 1-2 GiB per rank beyond what it uses (docs/memory.md). True
+    when set; False for 0, on a C library without mallopt, or when the environment sets
+    MALLOC_MMAP_THRESHOLD_ (the user's choice, which glibc applied at start)."""
+    if mib <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, ctypes.c_int(mib << 20)))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def host_peak_gib() -> float:
