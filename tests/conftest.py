@@ -4,6 +4,7 @@ helpers tests share are in tests/helpers.py."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,12 @@ import pytest
 # OpenMP threads beside the other worker's spins at every barrier (the launcher gives each local rank its share
 # of the cores already: utils/cli/launch.py). Set before any test module imports torch; children inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Bytecode: the suite starts hundreds of interpreters (ranks, launches, tools). Where PYTHONDONTWRITEBYTECODE is
+# set (this machine's environment sets it, and so may a CI image), each of them compiled this project's modules
+# from source again: about 1 s of CPU per process on 2 cores. The test processes and their children write
+# __pycache__ (git-ignored).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # The files that take longest, started first: xdist hands out whole files (--dist loadfile) in the order they
 # are collected (--no-loadscope-reorder; its default orders by the number of tests, which put the long files of
