@@ -38,6 +38,8 @@ runs eagerly between two graphs of the block.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,15 +54,11 @@ from utils.schema import CP_VARIANTS
 VARIANTS = CP_VARIANTS
 
 
+@functools.cache
 def eager_between_graphs(fn):
     """`fn` under `torch.compiler.disable`, made when a layer that needs it is built: the decorator imports
     torch._dynamo (most of a second), which a process without a ring need not pay at its start."""
-    if fn not in _EAGER:
-        _EAGER[fn] = torch.compiler.disable(fn)
-    return _EAGER[fn]
-
-
-_EAGER: dict = {}
+    return torch.compiler.disable(fn)
 
 
 def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: ContextShards, causal: bool,
