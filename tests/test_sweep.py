@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import ROOT, read_scalars
+from tests.helpers import ROOT, read_scalars, run_main
 from utils.checkpoints.run_dir import read_layout
 from utils.cli.hydra_app import SUBMITIT_MAX_NUM_TIMEOUT, is_hydra_command, with_launcher_defaults, with_sweep_subdir
 
@@ -31,6 +31,16 @@ def train(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedPr
                           timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert not list(cwd.iterdir()), f"left in the working folder: {list(cwd.iterdir())}"
     return proc
+
+
+def refuse(cwd: Path, monkeypatch, *args: str) -> tuple[int, list[str]]:
+    """`python train.py ARGS` from the empty folder `cwd` for a command refused before anything runs, through
+    train.py's `main` in this process (its exit status and stderr's lines; no interpreter started to import)."""
+    cwd.mkdir(exist_ok=True)
+    monkeypatch.chdir(cwd)
+    code, _, err = run_main("train.py", *args)
+    assert not list(cwd.iterdir()), f"left in the working folder: {list(cwd.iterdir())}"
+    return code, err.strip().splitlines()
 
 
 def single_run_dir(*args: str) -> Path:
@@ -122,21 +132,19 @@ def test_hydra_flags_print_and_exit(tmp_path):
 
 @pytest.mark.parametrize("args,setting", [(["optim.lr=abc,1e-3"], "optim.lr=abc"),
                                           (["optim.lr=1e-3,2e-3", "model=nope"], "model=nope")])
-def test_a_bad_point_stops_the_sweep_before_any_trains(args, setting, tmp_path):
-    proc = train(tmp_path / "cwd", "-m", *args, f"run.root={tmp_path / 'runs'}")
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+def test_a_bad_point_stops_the_sweep_before_any_trains(args, setting, tmp_path, monkeypatch):
+    code, lines = refuse(tmp_path / "cwd", monkeypatch, "-m", *args, f"run.root={tmp_path / 'runs'}")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert f"({setting}" in lines[0] and not (tmp_path / "runs").exists()
 
 
-def test_a_point_that_does_not_fit_the_launchers_tasks_is_refused_before_submission(tmp_path):
+def test_a_point_that_does_not_fit_the_launchers_tasks_is_refused_before_submission(tmp_path, monkeypatch):
     """hydra.launcher.nodes x tasks_per_node ranks per point: a tp4 point on 2 tasks is refused with one line and
     exit 2 before any job is submitted (no sbatch here: it would fail otherwise); before, each of its ranks failed
     inside its job and Slurm showed the job COMPLETED."""
-    proc = train(tmp_path / "cwd", "-m", "parallel=tp2,tp4", "hydra/launcher=submitit_slurm",
-                 "hydra.launcher.tasks_per_node=2", f"run.root={tmp_path / 'runs'}")
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    code, lines = refuse(tmp_path / "cwd", monkeypatch, "-m", "parallel=tp2,tp4", "hydra/launcher=submitit_slurm",
+                         "hydra.launcher.tasks_per_node=2", f"run.root={tmp_path / 'runs'}")
+    assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: sweep point #1 (parallel=tp4 ") and ") would run on hydra.launcher.nodes x " \
         "tasks_per_node = 1 x 2 = 2 ranks, but world size 2 does not fit tp=4" in lines[0], lines[0]
     assert "(hydra.launcher.tasks_per_node): " in lines[0] and not (tmp_path / "runs").exists()
