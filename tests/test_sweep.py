@@ -35,9 +35,12 @@ def train(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedPr
 
 def refuse(cwd: Path, monkeypatch, *args: str) -> tuple[int, list[str]]:
     """`python train.py ARGS` from the empty folder `cwd` for a command refused before anything runs, through
-    train.py's `main` in this process (its exit status and stderr's lines; no interpreter started to import)."""
+    train.py's `main` in this process (its exit status and stderr's lines; no interpreter started to import). Hydra's
+    app sets sys.argv and PYTHONPATH once past its checks: put back after the test, should a refusal regress."""
     cwd.mkdir(exist_ok=True)
     monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     code, _, err = run_main("train.py", *args)
     assert not list(cwd.iterdir()), f"left in the working folder: {list(cwd.iterdir())}"
     return code, err.strip().splitlines()
