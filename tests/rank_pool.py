@@ -20,8 +20,10 @@ import io
 import logging
 import os
 import queue
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -69,18 +71,31 @@ def _reset_process_state() -> None:
     torch._dynamo.reset()  # compiled graphs of a case hold its modules and groups
 
 
-def _worker(index: int, jobs, results) -> None:
-    """A pooled rank: import the trainer once, then run jobs until told to stop (None). It dies with the test
-    process (SIGKILL: a pooled rank records SIGTERM as a stop signal while it runs a trainer), so a pytest
-    killed mid-run leaves no rank behind."""
+def _die_with(pid: int) -> None:
+    """SIGKILL this process as soon as process `pid` ends (a daemon thread waits on its pidfd). A pooled rank's
+    parent is the fork server, which lives as long as any process it forked holds its pipe (every one does):
+    a parent-death signal would never come. SIGKILL, because a pooled rank records SIGTERM as a stop signal
+    while it runs a trainer."""
+    try:
+        watched = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def wait_then_die() -> None:
+        select.select([watched], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_then_die, name="die-with-the-test-process", daemon=True).start()
+
+
+def _worker(index: int, jobs, results, test_process: int) -> None:
+    """A pooled rank: the trainer is imported already (by the fork server); run jobs until told to stop (None).
+    It dies with the test process, so a pytest killed mid-run leaves no rank behind."""
     import importlib
 
     import torch
 
-    from utils.cli.launch import die_with_parent
-
-    die_with_parent(signal.SIGKILL)
-
+    _die_with(test_process)
     torch.set_num_threads(1)  # the pool's ranks share the cores; more threads make every collective wait
     for module in PRELOAD:
         importlib.import_module(module)
@@ -108,7 +123,12 @@ class RankPool:
     """`size` pooled rank processes (grown on demand for a larger world)."""
 
     def __init__(self, size: int = 4):
-        self._ctx = mp.get_context("spawn")
+        # Ranks fork from multiprocessing's fork server, which imports torch and the trainer once: a spawned rank
+        # imported them itself, about 4 s of CPU apiece on 2 cores, again for every process of a restarted pool.
+        # The server runs no thread but the allocator's (which prepares for fork), so forking it is safe where
+        # forking this test process, which runs threads, is not.
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload([__name__, *PRELOAD])  # no effect if a server runs already
         self._procs: list = []
         self._jobs: list = []
         self._results = self._ctx.Queue()
@@ -118,7 +138,8 @@ class RankPool:
     def _grow(self, size: int) -> None:
         while len(self._procs) < size:
             jobs = self._ctx.SimpleQueue()
-            proc = self._ctx.Process(target=_worker, args=(len(self._procs), jobs, self._results), daemon=True)
+            proc = self._ctx.Process(target=_worker, args=(len(self._procs), jobs, self._results, os.getpid()),
+                                     daemon=True)
             proc.start()
             self._procs.append(proc)
             self._jobs.append(jobs)
