@@ -89,8 +89,8 @@ def _die_with(pid: int) -> None:
 
 
 def _worker(index: int, jobs, results, test_process: int) -> None:
-    """A pooled rank: the trainer is imported already (by the fork server); run jobs until told to stop (None).
-    It dies with the test process, so a pytest killed mid-run leaves no rank behind."""
+    """A pooled rank: import the trainer (done already where this pool started the fork server), then run jobs
+    until told to stop (None). It dies with the test process, so a pytest killed mid-run leaves no rank behind."""
     import importlib
 
     import torch

@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers import ROOT
 from tests.rank_pool import pool
+from tests.test_exit_paths import parent_of
 
 
 def _abort_on_rank_1(rank: int, world: int, marker: str, times: int) -> int:
@@ -68,10 +69,6 @@ def test_pooled_ranks_die_with_a_killed_test_process(tmp_path):
     while (alive := [pid for pid in [*ranks, *server] if is_alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive, f"processes {alive} outlived the killed test process"
-
-
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def is_alive(pid: int) -> bool:
