@@ -29,11 +29,14 @@ expect parameter to have scalar type of Float") and which round the norms' weigh
 `output_dtype=fp32` keeps the stream bf16 inside each block and hits the same error at the final norm.
 
 Under pipeline parallelism only the blocks are sharded (the stages call the cut model's blocks and ends
-directly, so a root's forward would never run): each block is its own FSDP root, reduce-scattering after
-every microbatch's backward (accumulating into its sharded gradient), and the stages' ends stay
-replicated and are reduced with the pipeline's dp sync; Adam gets the two kinds in separate parameter
-groups (`param_groups`). Use `fsdp_reshard_after_forward=false` there, or every microbatch gathers each
-block twice.
+directly, so the model's forward never runs): each stage's blocks get one FSDP root of their own
+(`root_over_stage`, over the stage's `StageBlocks`, which holds no parameter), reduce-scattering after every
+microbatch's backward (accumulating into its sharded gradient), and the stages' ends stay replicated and
+are reduced with the pipeline's dp sync; Adam gets the two kinds in separate parameter groups
+(`param_groups`). Without that root each block was its own root, with its own communication state, and
+FSDP keeps each state's last reduce-scatter input (the block's whole gradient) until that state's backward
+ends: every block of the stage at once (gpt_medium pp2 x dp2: 0.6 GiB more per rank, docs/memory.md).
+Use `fsdp_reshard_after_forward=false` there, or every microbatch gathers each block twice.
 
 Refused by the config check (exit 2): fp16 with its loss scaler (FSDP2's sharded gradients and the
 scaler's inf check are unverified together; torchtitan offers no fp16 either), and the pipeline
@@ -75,6 +78,18 @@ def shard_data_parallel(model: nn.Module, *, grid: Grid, reshard_after_forward: 
             # a factor other than the group size is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide
             module.set_force_sum_reduction_for_comms(grid.device.type == "cpu")
     return model
+
+
+def root_over_stage(blocks: nn.Module, *, grid: Grid) -> nn.Module:
+    """Under pp: one FSDP root over a stage's already sharded blocks (distributed/pipeline/stages.py
+    `StageBlocks`, no parameter of its own), so they share one communication state: FSDP then keeps one
+    reduce-scatter input in flight for the stage instead of one per block until the backward ends, and
+    prefetches the next block in backward as it does without pp. Not the stage module itself: torch's
+    pipelining turns gradient sync and resharding off for every microbatch but the last when a stage's
+    module is an FSDPModule (the whole stage's gathered weights and gradients held for the step)."""
+    if grid.replicas.size == 1 or not any(isinstance(m, FSDPModule) for m in blocks.children()):
+        return blocks
+    return fully_shard(blocks, mesh=grid.replica_mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
 
 
 def _separable_ends(model: nn.Module) -> list[nn.Module]:

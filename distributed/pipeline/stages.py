@@ -85,6 +85,16 @@ def head_tokens(model: nn.Module, length: int) -> int:
     return length if shards is None else shards.sizes[shards.axis.rank]
 
 
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks in order (keyed by the block index, as the model's `blocks`), run as one module: under
+    FSDP the unit one root covers (distributed/fsdp.py `root_over_stage`)."""
+
+    def forward(self, x: torch.Tensor, documents=None) -> torch.Tensor:
+        for block in self.values():
+            x = block(x) if documents is None else block(x, documents=documents)
+        return x
+
+
 class StageModule(nn.Module):
     """Stage `index` of a cut model: its blocks and the model's ends it runs, under their global names.
 
@@ -101,7 +111,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.index, self.autocast, self.length = index, autocast, 0
         self.is_first, self.is_last = index == 0, index == plan.num_stages - 1
-        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in plan.blocks_of(index)})
+        self.blocks = StageBlocks({str(i): model.blocks[str(i)] for i in plan.blocks_of(index)})
         (self.first_part, first_names), (self.last_part, last_names) = _ends(model)
         for name in (first_names if self.is_first else ()) + (last_names if self.is_last else ()):
             value = getattr(model, name)
@@ -126,8 +136,7 @@ class StageModule(nn.Module):
         with self.autocast():
             if self.is_first:
                 x = getattr(model, self.first_part)(x)
-            for block in self.blocks.values():
-                x = block(x) if documents is None else block(x, documents=documents)
+            x = self.blocks(x, documents)
             if self.is_last:
                 return getattr(model, self.last_part)(x)
         if x.dtype != self.activation_dtype or tuple(x.shape) != shape:

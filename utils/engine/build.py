@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from distributed.block_wrappers import wrap_blocks
 from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import local, wrap_data_parallel
-from distributed.fsdp import param_groups, shard_data_parallel
+from distributed.fsdp import param_groups, root_over_stage, shard_data_parallel
 from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stage_plan import PipelinePlan, resolve_plan
 from distributed.pipeline.stages import cut_for_rank
@@ -121,6 +121,8 @@ def build_pipeline(cfg: Config, task: Task, grid: Grid, model: nn.Module, plan: 
     out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
     stages = build_stages(model, plan, axis=grid.axis(Axis.PP), example=example, length=task.tokens_per_sample(),
                           out_dtype=out_dtype, autocast=partial(autocast, mode, grid.device))
+    for stage in stages:  # FSDP: one root over each stage's blocks (else none is applied)
+        root_over_stage(stage.submod.blocks, grid=grid)
     return Pipeline(model, stages, plan, grid), PipelineForward(model, [s.submod for s in stages], plan, grid)
 
 
