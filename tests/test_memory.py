@@ -183,3 +183,19 @@ def test_a_fixed_mmap_threshold_gives_freed_blocks_back(monkeypatch):
     assert probe(1) == ("True", pytest.approx(80, abs=8))
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
     assert not fix_mmap_threshold(1)
+
+
+def test_the_memory_bench_allows_fsdp_three_gathered_blocks():
+    """utils/bench/memory.py's expected figure under FSDP: the share and overhead plus 3 of the largest block's
+    fp32 weights over tp (the block differentiated, its gradient, the next one prefetched); none under DDP.
+    The table divides the largest rank's peak by that sum."""
+    from utils.bench.memory import gathered_gib, table
+
+    block = 4 * (12 * 128 * 128 + 13 * 128) / 2**30  # gpt_tiny's block: qkv, proj, two MLP matrices, biases, norms
+    tiny = ["model=gpt_tiny", "data=wikitext_sample"]
+    assert gathered_gib([*tiny, "parallel.dp=2", "parallel.dp_mode=fsdp"]) == pytest.approx(3 * block)
+    assert gathered_gib([*tiny, "parallel.tp=2", "parallel.dp=2", "parallel.dp_mode=fsdp"]) == pytest.approx(1.5 * block)
+    assert gathered_gib([*tiny, "parallel.dp=2"]) == 0
+    host = {"build": [0.5, 0.5], "first step": [1.0, 1.2], "end": [1.0, 1.2]}
+    row = table([("fsdp2", host)], params=2**30 // 16, overhead=0.2, worlds={"fsdp2": 2}, gathered={"fsdp2": 0.3})
+    assert row.splitlines()[-1] == "| fsdp2 | 2 | 1.00 (of it 0.30) | build 0.50 0.50; first step 1.00 1.20 | 1.20 |"

@@ -7,7 +7,9 @@ Hugging Face folder imported under it; every rank's peak host memory at the end 
 the runs' memory.json (utils/engine/memory.py) and set beside the rank's share of the model's training
 state, 16 bytes per parameter (fp32 weights, gradients, Adam's two moments) divided by the ranks, plus the
 runtime's fixed overhead: the peak of the same one-process run of a model of one narrow block (Python,
-torch, the data, the communication buffers; measured first).
+torch, the data, the communication buffers; measured first), plus, under FSDP, the blocks it holds gathered
+at its backward peak: the block being differentiated, its unsharded gradient and the next block prefetched,
+3 x the largest block's fp32 weights over tp (utils/plan/fsdp.py `gathered_peak` counts them exactly).
 
     python -m utils.bench.memory model=gpt_medium data=wikitext_sample data.seq_len=64 data.limit_eval_tokens=512 \\
         --layout fsdp4="parallel.dp=4 parallel.dp_mode=fsdp" --layout tp2dp2="parallel.tp=2 parallel.dp_mode=fsdp" \\
@@ -73,18 +75,33 @@ def parameters(overrides: list[str]) -> int:
         return sum(p.numel() for p in build_task(cfg).build_model().parameters())
 
 
-def table(rows: list[tuple[str, dict]], params: int, overhead: float, worlds: dict[str, int]) -> str:
+def gathered_gib(overrides: list[str]) -> float:
+    """FSDP's gathered blocks at a rank's backward peak (see the module docstring); 0 without FSDP."""
+    from utils.cli.config import load_config
+    from utils.tasks import build_task
+
+    cfg, _, _ = load_config(overrides)
+    if cfg.parallel.dp_mode != "fsdp":
+        return 0.0
+    with torch.device("meta"):
+        blocks = build_task(cfg).build_model().blocks.children()
+    return 3 * max(4 * sum(p.numel() for p in b.parameters()) for b in blocks) / cfg.parallel.tp / 2**30
+
+
+def table(rows: list[tuple[str, dict]], params: int, overhead: float, worlds: dict[str, int],
+          gathered: dict[str, float]) -> str:
     lines = [f"model parameters: {params / 1e6:.1f}M, training state 16 B each = {16 * params / 2**30:.2f} GiB; "
              f"runtime overhead (one process, one narrow block): {overhead:.2f} GiB", "",
-             "| run | ranks | share + overhead (GiB) | peak host memory per rank by phase (GiB) | largest / expected |",
-             "|---|---|---|---|---|"]
+             "| run | ranks | share + overhead (+ FSDP's gathered blocks) (GiB) | peak host memory per rank by phase "
+             "(GiB) | largest / expected |", "|---|---|---|---|---|"]
     for name, host in rows:
         world = worlds[name]
-        expected = 16 * params / 2**30 / world + overhead
+        expected = 16 * params / 2**30 / world + overhead + gathered[name]
+        held = f"{expected:.2f}" + (f" (of it {gathered[name]:.2f})" if gathered[name] else "")
         phases = "; ".join(f"{phase} " + " ".join("-" if v is None else f"{v:.2f}" for v in values)
                            for phase, values in host.items() if phase != "end")
         largest = max(v for values in host.values() for v in values if v is not None)
-        lines.append(f"| {name} | {world} | {expected:.2f} | {phases} | {largest / expected:.2f} |")
+        lines.append(f"| {name} | {world} | {held} | {phases} | {largest / expected:.2f} |")
     return "\n".join(lines)
 
 
@@ -98,20 +115,21 @@ def measure(overrides: list[str], layouts: dict[str, list[str]], options: dict, 
     overhead = run([*overrides, *COMMON, *tiny, "trainer.ckpt_every=0"], out / "overhead")["end"][0]
     worlds = {name: ranks_needed(load_config([*overrides, *settings])[0].parallel)
               for name, settings in layouts.items()}
+    gathered = {name: gathered_gib([*overrides, *settings]) for name, settings in layouts.items()}
     rows = [(name, run([*overrides, *COMMON, *settings], out / name)) for name, settings in layouts.items()]
     if options["resume"]:
         source = next(name for name in layouts if name != options["resume"])
         ckpt = out / source / "checkpoints" / "step_0000003"
         name = f"{options['resume']} resumes {source}"
-        worlds[name] = worlds[options["resume"]]
+        worlds[name], gathered[name] = worlds[options["resume"]], gathered[options["resume"]]
         rows.append((name, run([*overrides, *COMMON, *layouts[options["resume"]], "trainer.stop_at_step=null",
                                 "trainer.ckpt_every=0", f"trainer.resume={ckpt}"], out / "resumed")))
         if options["init_from"]:
             name = f"{options['resume']} imports {Path(options['init_from']).name}"
-            worlds[name] = worlds[options["resume"]]
+            worlds[name], gathered[name] = worlds[options["resume"]], gathered[options["resume"]]
             rows.append((name, run([*overrides, *COMMON, *layouts[options["resume"]], "trainer.ckpt_every=0",
                                     f"trainer.init_from={options['init_from']}"], out / "imported")))
-    return table(rows, parameters(overrides), overhead, worlds)
+    return table(rows, parameters(overrides), overhead, worlds, gathered)
 
 
 def main(argv: list[str] | None = None) -> int:
