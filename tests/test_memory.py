@@ -194,7 +194,8 @@ def test_the_memory_bench_allows_fsdp_three_gathered_blocks():
     block = 4 * (12 * 128 * 128 + 13 * 128) / 2**30  # gpt_tiny's block: qkv, proj, two MLP matrices, biases, norms
     tiny = ["model=gpt_tiny", "data=wikitext_sample"]
     assert gathered_gib([*tiny, "parallel.dp=2", "parallel.dp_mode=fsdp"]) == pytest.approx(3 * block)
-    assert gathered_gib([*tiny, "parallel.tp=2", "parallel.dp=2", "parallel.dp_mode=fsdp"]) == pytest.approx(1.5 * block)
+    tp2 = ["parallel.tp=2", "parallel.dp=2", "parallel.dp_mode=fsdp"]
+    assert gathered_gib([*tiny, *tp2]) == pytest.approx(1.5 * block)
     assert gathered_gib([*tiny, "parallel.dp=2"]) == 0
     host = {"build": [0.5, 0.5], "first step": [1.0, 1.2], "end": [1.0, 1.2]}
     row = table([("fsdp2", host)], params=2**30 // 16, overhead=0.2, worlds={"fsdp2": 2}, gathered={"fsdp2": 0.3})
