@@ -292,3 +292,16 @@ def test_gathered_peak_is_taken_in_backward():
     assert gathered_peak(units, 5, False) == 2 * 5 + 210 + 100  # the blocks and the embedding still gathered
     assert extend_units(units, 4) == (units[0],) + (units[1],) * 4 + (units[3],)
     assert gathered_peak(extend_units(units, 4), 0, False) == 410 + 100  # 4 blocks, the embedding, a gradient
+
+
+def test_without_replicas_gradients_and_activations_do_not_add_up():
+    """One process (no DDP buckets) with no accumulation: the step's peak counts the larger of the gradients
+    and the saved activations (they never live together); with accumulation, or with dp replicas, both."""
+    one = plan_layout(TINY, GPUS["cpu"], 1)
+    held = one.param_bytes + one.optimizer_bytes
+    assert one.total_bytes == held + max(one.grad_bytes, one.activation_bytes)
+    accumulated = plan_layout(TINY + ["trainer.grad_accum_steps=2"], GPUS["cpu"], 1)
+    assert accumulated.total_bytes == (accumulated.param_bytes + accumulated.optimizer_bytes
+                                       + accumulated.grad_bytes + accumulated.activation_bytes)
+    dp2 = plan_layout(TINY + ["parallel.dp=2"], GPUS["cpu"], 2)
+    assert dp2.total_bytes == dp2.param_bytes + dp2.optimizer_bytes + dp2.grad_bytes + dp2.activation_bytes

@@ -48,9 +48,10 @@ compute assumed (an upper bound for DDP, which overlaps its bucket all-reduces w
 training FLOPs of the rank's share of the global batch (utils.engine.flops.training_flops_per_sample) / (peak x
 efficiency). An axis is intra-node when rank 0's group on it lies in one node (parallel.order decides).
 Fits = parameters + gradients + Adam state + saved activations + FSDP's gathered units <= memory (no
-allocator slack, workspace or bf16 weight copies). Host: the runtime (HOST_RUNTIME_GIB) plus, on a CPU,
-that total. Not modelled (refused with exit 2): pipeline parallelism (parallel.pp > 1, FSDP or not; its
-object exchanges do not run on a fake group).
+allocator slack, workspace or bf16 weight copies); without dp replicas or accumulation the gradients and the
+activations never meet (`LayoutPlan.total_bytes`): the larger of the two is counted. Host: the runtime
+(HOST_RUNTIME_GIB) plus, on a CPU, that total. Not modelled (refused with exit 2): pipeline parallelism
+(parallel.pp > 1, FSDP or not; its object exchanges do not run on a fake group).
 """
 
 from __future__ import annotations
@@ -122,10 +123,18 @@ class LayoutPlan:
     fits: bool = True
     refused: str = ""  # the one-line error of a layout the code refuses
     host_bytes: int = 0  # peak resident host memory of rank 0: the runtime, plus everything above on a CPU
+    grads_meet_activations: bool = True  # False: no dp replicas and no accumulation (see total_bytes)
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.gathered_bytes
+        """The step's peak: weights, Adam's state (alive from the second step on) and, when the gradients exist
+        beside the saved activations (DDP's buckets hold them for the whole step, accumulation keeps the earlier
+        micro-batches' gradients; FSDP's shards are counted so too, an upper bound), both; else the larger: the
+        step starts without gradients (`zero_grad(set_to_none=True)`) and its backward frees the activations as
+        it makes them."""
+        during = self.grad_bytes + self.activation_bytes if self.grads_meet_activations else \
+            max(self.grad_bytes, self.activation_bytes)
+        return self.param_bytes + self.optimizer_bytes + during + self.gathered_bytes
 
 
 def parse_args(argv: list[str]) -> Request:
@@ -235,6 +244,7 @@ def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware
     plan = LayoutPlan(full.layout, overrides)
     plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes = full.held
     plan.comm_bytes, plan.activation_bytes = full.comm_bytes, full.activation_bytes
+    plan.grads_meet_activations = cfg.parallel.dp * cfg.parallel.cp > 1 or cfg.trainer.grad_accum_steps > 1
     if full.units or full.root_bytes:
         plan.gathered_bytes = gathered_peak(full.units, full.root_bytes, cfg.parallel.fsdp_reshard_after_forward)
     flops = full.flops_per_sample * cfg.trainer.global_batch_size / world
