@@ -132,14 +132,14 @@ def _backward_rise(rank: int, world: int, argv: list[str]) -> list[float]:
 def test_fsdp_under_pp_holds_one_blocks_gradient_buffer_in_backward(tmp_path, corpus_root):
     """FSDP keeps each root's last reduce-scatter input (the unit's whole gradient) until that root's backward
     ends. With one root per block, a stage of 8 blocks held 8 of them through every microbatch's backward
-    (measured: a rise of 9.5 blocks' weights); one root over the stage's blocks (distributed/fsdp.py
-    `root_over_stage`) holds one, beside the block gathered and its gradient: 3.0. The second microbatch's
-    backward of each step is measured (the first also allocates the sharded gradients, which stay)."""
+    (measured: a rise of 9.5-9.6 blocks' weights); one root over the stage's blocks (distributed/fsdp.py
+    `root_over_stage`) holds one, beside the block gathered and its gradient: 3.0-3.5. The second step's second
+    microbatch is measured (a step's first also allocates the sharded gradients, which stay)."""
     from tests.helpers import TINY_GPT
     from tests.rank_pool import pool
 
     argv = [*TINY_GPT, *QUIET, f"data.root={corpus_root}", f"run.dir={tmp_path / 'run'}", "model.depth=16",
-            "model.embed_dim=512", "trainer.max_steps=3", "trainer.global_batch_size=4", "data.limit_eval_tokens=64",
+            "model.embed_dim=384", "trainer.max_steps=2", "trainer.global_batch_size=4", "data.limit_eval_tokens=64",
             "parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=fsdp", "parallel.pp_schedule=gpipe",
             "trainer.malloc_mmap_threshold_mib=1"]  # freed blocks unmapped at once: the rise is what is alive
     try:
@@ -148,6 +148,6 @@ def test_fsdp_under_pp_holds_one_blocks_gradient_buffer_in_backward(tmp_path, co
         pool().restart()  # glibc's threshold stays fixed in a process: the next cases get fresh ones
     assert all(r.error is None for r in results), next(r.error for r in results if r.error)
     rises = [r.value for r in results]
-    assert all(len(r) == 6 for r in rises), rises  # 3 steps of 2 microbatches
-    worst = max(r[i] for r in rises for i in (3, 5))
+    assert all(len(r) == 4 for r in rises), rises  # 2 steps of 2 microbatches
+    worst = max(r[3] for r in rises)
     assert worst < 5, f"a microbatch's backward rose by {worst:.1f} blocks' weights: {rises}"
