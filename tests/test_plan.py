@@ -20,7 +20,8 @@ import torch
 
 from tests.helpers import ROOT
 from utils import ConfigError
-from utils.plan.cost_model import GPUS, PCIE_GBS, Hardware, link_gbs, main, parse_args, plan_layout, table
+from utils.plan.cost_model import link_gbs, main, plan_layout, table
+from utils.plan.options import GPUS, PCIE_GBS, Hardware, parse_args
 
 TINY = ["trainer.global_batch_size=8"]
 RUN = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]
@@ -100,8 +101,8 @@ def test_bench_help_exits_0():
 
 
 @pytest.mark.parametrize("args,setting", [(["parallel.bogus=1"], "parallel.bogus"), (["gpu=v100"], "gpu"),
-                                          (["--world", "x"], "--world"), (["parallel=pp2"], "parallel.pp"),
-                                          (["parallel=pp2", "parallel.dp=2", "parallel.dp_mode=fsdp"], "parallel.pp"),
+                                          (["--world", "x"], "--world"),
+                                          (["parallel=pp2", "parallel.pp_microbatches=1"], "parallel.pp_microbatches"),
                                           (["--vocab", "1000"], "--vocab")])
 def test_bad_input_is_one_line_exit_2(capsys, args, setting):
     with pytest.raises(SystemExit) as exit_info:
@@ -109,6 +110,17 @@ def test_bad_input_is_one_line_exit_2(capsys, args, setting):
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2
     assert len(lines) == 1 and lines[0].startswith("error:") and setting in lines[0]
+
+
+def test_the_rank_player_refuses_a_pipeline_in_one_line(capsys):
+    """`python -m utils.plan.rank` steps for real, where torch's pipelining needs real messages: refused before
+    any build, pointing at the planner."""
+    from utils.plan.rank import main as play_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        play_main(["parallel=pp2", "--world", "2"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and "parallel.pp" in lines[0] and "utils.plan" in lines[0]
 
 
 def test_bad_input_from_the_command_line():
@@ -186,17 +198,49 @@ def test_probed_meta_plan_equals_the_full_initialised_one_vit(overrides, world):
     assert_fast_equals_full(overrides, world)
 
 
-def assert_fast_equals_full(overrides, world):
-    """Every figure, bit for bit, and the axes in the same order; the depth-4 figures come from depths 1 and 2."""
+# Pipelines, one stage per rank: probed at 2 and 3 blocks per stage, extended to 4; every rank of the pipeline
+PIPELINES = [(["model=gpt_tiny", "data=wikitext_sample", "model.depth=8", "parallel=pp2"], 2, (0, 1)),
+             (["model=gpt_tiny", "data=wikitext_sample", "model.depth=8", "parallel=pp2", "parallel.dp=2",
+               "parallel.dp_mode=fsdp"], 4, (0, 2))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,world,ranks", PIPELINES)
+def test_probed_pipeline_plan_equals_the_full_one(overrides, world, ranks):
+    assert_fast_equals_full(overrides, world, (4, 6), ranks)
+
+
+def test_a_pipeline_plan_holds_the_microbatches_its_schedule_has_in_flight():
+    """pp2, 4 microbatches: GPipe runs every forward before any backward (4 in flight on both ranks), 1F1B
+    at most 2 on the first stage and 1 on the last; the saved bytes follow (a microbatch's forward saves the
+    same in both). Without `rank` the rank holding the most is planned: the last stage, with the head's
+    logits. The step time adds the bubble, (p-1)/(m+p-1) = 1/5 of the step: compute x 1/4."""
+    base = [*TINY, "model=gpt_tiny", "data=wikitext_sample", "parallel=pp2", "parallel.pp_microbatches=4"]
+    saved = {(schedule, rank): plan_layout(base + [f"parallel.pp_schedule={schedule}"], GPUS["cpu"], 2, rank=rank)
+             .activation_bytes for schedule in ("gpipe", "1f1b") for rank in (0, 1)}
+    assert saved["gpipe", 0] / saved["1f1b", 0] == pytest.approx(2, rel=0.01)
+    assert saved["gpipe", 1] / saved["1f1b", 1] == pytest.approx(4, rel=0.01)
+    plan = plan_layout(base, GPUS["cpu"], 2)
+    assert plan.rank == 1 and plan.activation_bytes == saved["1f1b", 1]
+    assert plan.bubble_s == pytest.approx(plan.compute_s / 4) and plan.step_time_s == pytest.approx(
+        plan.compute_s + plan.bubble_s + plan.comm_s)
+    assert "| 1 | pp2 (rank 1) | yes |" in table([plan], parse_args(["gpu=cpu"]))
+
+
+def assert_fast_equals_full(overrides, world, probes=(1, 2), ranks=(0,)):
+    """Every figure of each rank, bit for bit, and the axes in the same order; the figures of the configured
+    depth (4, or 8 under pp2) come from the `probes` depths."""
     from dataclasses import asdict
 
-    from utils.plan.probe import LayoutConfigs, probe_depths
+    from utils.plan.cost_model import configured_probes
+    from utils.plan.probe import LayoutConfigs
 
-    assert probe_depths(LayoutConfigs(TINY + overrides), 4) == (1, 2)
-    fast = asdict(plan_layout(TINY + overrides, GPUS["cpu"], world))
-    full = asdict(plan_layout(TINY + overrides, GPUS["cpu"], world, values=True, probe=False))
-    assert fast == full and list(fast["comm_bytes"]) == list(full["comm_bytes"])
-    assert fast["activation_bytes"] > 0 and all(n > 0 for k, n in fast["comm_bytes"].items() if "_" not in k)
+    assert configured_probes(LayoutConfigs(TINY + overrides)) == probes
+    for rank in ranks:
+        fast = asdict(plan_layout(TINY + overrides, GPUS["cpu"], world, rank=rank))
+        full = asdict(plan_layout(TINY + overrides, GPUS["cpu"], world, values=True, probe=False, rank=rank))
+        assert fast == full and list(fast["comm_bytes"]) == list(full["comm_bytes"])
+        assert fast["activation_bytes"] > 0 and all(n > 0 for k, n in fast["comm_bytes"].items() if "_" not in k)
 
 
 def test_blocks_off_the_line_are_measured_at_full_depth(monkeypatch):

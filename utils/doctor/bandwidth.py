@@ -26,7 +26,7 @@ from distributed.device import synchronize
 from utils.comm import Axis, AxisGroup, Grid
 from utils.doctor.report import Check
 from utils.engine.flops import device_name
-from utils.plan.cost_model import GPUS, Hardware
+from utils.plan.options import GPUS, Hardware
 
 # The fraction of a nominal link that nccl-tests' bus bandwidth reaches on a healthy node, by link type: NVLink
 # about 80% (H100 SXM: 450 GB/s per direction nominal, all_reduce_perf / all_gather_perf reach about 360-380

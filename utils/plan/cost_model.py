@@ -1,6 +1,7 @@
 """Plan a layout before launching it: `python -m utils.plan [overrides] [gpu=h100|a100|cpu] [options]`.
 
-Prints, for global rank 0 of a layout (or with --world N for every tp x cp x dp layout of N ranks),
+Prints, for global rank 0 of a layout (under pp the rank of rank 0's pipeline that holds the most), or with
+--world N for every tp x cp x dp layout of N ranks,
 the bytes it holds (parameters, gradients, Adam state, activations saved for backward; under FSDP its
 shards of the first three and the units gathered at the peak), the bytes it sends per training step on
 each grid axis, and a predicted step time, ranked by that time.
@@ -30,7 +31,7 @@ Options (defaults by gpu: h100 | a100 | cpu):
   --jobs N            with --world: layouts planned at once, in forked processes (default: one per CPU core)
   --json              print JSON: per layout comm_bytes {axis: bytes per step}, param_bytes, grad_bytes,
                       optimizer_bytes, activation_bytes, gathered_bytes (FSDP), host_bytes (rank 0),
-                      step_time_s, compute_s, comm_s, fits
+                      step_time_s, compute_s, bubble_s, comm_s, fits, rank
   --vocab V           a language model's vocabulary (the planner reads no data): GPT-2's 50257 by default,
                       Llama 3's is 128256
   --efficiency X      achieved fraction of the dense peak (utils.engine.flops.PEAK_TFLOPS): 0.5
@@ -50,8 +51,17 @@ efficiency). An axis is intra-node when rank 0's group on it lies in one node (p
 Fits = parameters + gradients + Adam state + saved activations + FSDP's gathered units <= memory (no
 allocator slack, workspace or bf16 weight copies); without dp replicas or accumulation the gradients and the
 activations never meet (`LayoutPlan.total_bytes`): the larger of the two is counted. Host: the runtime
-(HOST_RUNTIME_GIB) plus, on a CPU, that total. Not modelled (refused with exit 2): pipeline parallelism
-(parallel.pp > 1, FSDP or not; its object exchanges do not run on a fake group).
+(HOST_RUNTIME_GIB) plus, on a CPU, that total.
+
+Pipeline parallelism (parallel.pp > 1, any schedule, FSDP or not): the planned step is the real schedule's
+(torch's pipelining with the stages' static shapes: its start-up vote on them reads as a fake tensor's 1, the
+static mode a real run agrees on), so the saved bytes are those of the microbatches the schedule has in flight
+at its peak and the pp figure is the activations and gradients the rank sends. Every pp rank of rank 0's
+pipeline is planned (the first stage holds the embedding and the most microbatches in flight, the last the
+head) and the one with the largest total shown, named. Step time adds the schedule's bubble in theory
+(distributed/pipeline/stage_plan.py): compute x bubble / (1 - bubble), none for the zero-bubble schedules;
+the imbalance of the stages is not modelled (compute is the rank's share of the model's FLOPs, 1/world).
+--world plans pp = 1 layouts only: plan a pipeline with parallel.pp and its schedule's settings.
 """
 
 from __future__ import annotations
@@ -64,45 +74,13 @@ import threading
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
-from utils import ConfigError, exit_bad_input, require
-from utils.plan.bandwidths import read_bandwidths
+from utils import ConfigError, exit_bad_input
 from utils.plan.fsdp import extend_units, gathered_peak
-from utils.plan.probe import LayoutConfigs, extend, probe_depths
+from utils.plan.options import Hardware, Request, parse_args
+from utils.plan.probe import LayoutConfigs, extend, probe_depths, probe_stride
 from utils.plan.step import Measured, measure_layout
 
 GB = 1e9
-
-
-@dataclass
-class Hardware:
-    """Figures of one device kind: peak (utils.engine.flops.PEAK_TFLOPS key, or a number), links, memory."""
-
-    peak: str | float  # PEAK_TFLOPS key, or dense TFLOP/s per device
-    intra_gbs: float  # GB/s per direction between ranks of one node
-    inter_gbs: float  # GB/s per GPU between nodes
-    gpus_per_node: int
-    memory_gb: float  # memory per device, GB (1e9 bytes)
-    efficiency: float = 0.5  # fraction of the peak a step achieves
-    device: str = "cuda"  # device type the layout runs on (settings resolved by device: sequence parallelism)
-
-
-GPUS = {"h100": Hardware("H100", 450.0, 50.0, 8, 80.0), "a100": Hardware("A100", 300.0, 50.0, 8, 80.0),
-        "cpu": Hardware(0.2, 5.0, 5.0, 1000, 1000.0, device="cpu")}
-PCIE_GBS = 25.0
-OPTIONS = {"--efficiency": "efficiency", "--peak-tflops": "peak", "--intra-gbs": "intra_gbs",
-           "--inter-gbs": "inter_gbs", "--gpus-per-node": "gpus_per_node", "--memory-gb": "memory_gb"}
-
-
-@dataclass
-class Request:
-    overrides: list[str]
-    hardware: Hardware
-    gpu: str = "h100"
-    world: int = 0  # 0: plan the one layout the overrides give
-    as_json: bool = False
-    jobs: int = 0  # layouts planned at once (--jobs); 0: one per CPU core this process may use
-    links_from: str = ""  # --bandwidths: the doctor's file the link figures come from
-    vocab: int | None = None  # --vocab: a language model's vocabulary (the planner reads no data)
 
 
 @dataclass
@@ -118,12 +96,14 @@ class LayoutPlan:
     activation_bytes: int = 0  # peak bytes saved for backward
     gathered_bytes: int = 0  # FSDP: peak bytes of gathered weights and their unsharded gradients (utils/plan/fsdp.py)
     compute_s: float = 0.0
+    bubble_s: float = 0.0  # pp: the schedule's idle time, compute_s x bubble / (1 - bubble)
     comm_s: float = 0.0
     step_time_s: float = 0.0
     fits: bool = True
     refused: str = ""  # the one-line error of a layout the code refuses
     host_bytes: int = 0  # peak resident host memory of rank 0: the runtime, plus everything above on a CPU
     grads_meet_activations: bool = True  # False: no dp replicas and no accumulation (see total_bytes)
+    rank: int = 0  # the global rank planned: 0, or under pp the pp rank of rank 0's pipeline holding the most
 
     @property
     def total_bytes(self) -> int:
@@ -137,47 +117,6 @@ class LayoutPlan:
         return self.param_bytes + self.optimizer_bytes + during + self.gathered_bytes
 
 
-def parse_args(argv: list[str]) -> Request:
-    """Planner options out of argv; the rest are Hydra overrides."""
-    req, values, it = Request([], GPUS["h100"]), {}, iter(argv)
-    pcie, measured = False, None
-    for arg in it:
-        key, eq, value = arg.partition("=")
-        if key == "gpu":
-            require(value in GPUS, f"unknown gpu '{value}'", "gpu", "choose " + ", ".join(GPUS))
-            req.gpu = value
-        elif key == "--bandwidths":
-            value = value if eq else next(it, "")
-            require(bool(value), "--bandwidths needs a file", "--bandwidths", "give the doctor's bandwidths JSON")
-            measured = read_bandwidths(value)
-        elif key in OPTIONS or key in ("--world", "--jobs", "--vocab"):
-            value = value if eq else next(it, "")
-            try:
-                number = float(value)
-            except ValueError:
-                number = -1.0
-            require(number > 0, f"bad {key} value '{value}'", key, "give a positive number")
-            values[key] = number
-        elif arg in ("--json", "--pcie"):
-            req.as_json, pcie = req.as_json or arg == "--json", pcie or arg == "--pcie"
-        elif arg.startswith("--"):
-            raise ConfigError(f"unknown option '{arg}'", arg, "see python -m utils.plan --help")
-        else:
-            req.overrides.append(arg)
-    req.world, req.jobs = int(values.pop("--world", 0)), int(values.pop("--jobs", 0))
-    req.vocab = int(values.pop("--vocab")) if "--vocab" in values else None
-    hw = Hardware(**asdict(GPUS[req.gpu]))
-    hw.intra_gbs = PCIE_GBS if pcie else hw.intra_gbs
-    if measured is not None:  # the doctor's figures replace the preset's; explicit flags (below) win
-        hw.intra_gbs = measured.intra_gbs or hw.intra_gbs
-        hw.inter_gbs = measured.inter_gbs or hw.inter_gbs
-        req.links_from = measured.source()
-    for key, number in values.items():
-        setattr(hw, OPTIONS[key], int(number) if key == "--gpus-per-node" else number)
-    req.hardware = hw
-    return req
-
-
 def peak_tflops(hw: Hardware, precision: str) -> float:
     from utils.engine.flops import PEAK_TFLOPS
 
@@ -187,12 +126,6 @@ def peak_tflops(hw: Hardware, precision: str) -> float:
 def link_gbs(hw: Hardware, ranks: list[int]) -> float:
     """Bandwidth of the link a group of global ranks crosses: intra-node when they share a node."""
     return hw.intra_gbs if len({r // hw.gpus_per_node for r in ranks}) == 1 else hw.inter_gbs
-
-
-def check_plannable(cfg) -> None:
-    par = cfg.parallel
-    require(par.pp == 1, "the planner does not model pipeline parallelism yet", "parallel.pp",
-            "plan with parallel.pp=1 (pp=1 layouts of the same world size are listed with --world)")
 
 
 def world_of(cfg) -> int:
@@ -207,41 +140,66 @@ def world_of(cfg) -> int:
 
 
 def plan_layout(overrides: list[str], hw: Hardware, world: int, *, values: bool = False,
-                probe: bool = True, vocab: int | None = None) -> LayoutPlan:
+                probe: bool = True, vocab: int | None = None, rank: int | None = None) -> LayoutPlan:
     """Plan the layout the overrides give, on `world` ranks (utils/plan/step.py: one shapes-only step of the
-    real trainer; probe=False: at the configured depth, not extended from PROBE_DEPTHS; vocab: --vocab)."""
+    real trainer; probe=False: at the configured depth, not extended from PROBE_DEPTHS; vocab: --vocab;
+    rank: plan this global rank, not `plan_settings`' choice)."""
     configs = LayoutConfigs(overrides, vocab)
-    depths = probe_depths(configs, configs.load({}).model.depth) if probe else ()
-    return plan_settings(configs, {}, hw, world, depths, values=values)
+    return plan_settings(configs, {}, hw, world, configured_probes(configs) if probe else (), values=values,
+                         rank=rank)
+
+
+def configured_probes(configs: LayoutConfigs) -> tuple[int, ...]:
+    """The probe depths of the composed config itself (utils/plan/probe.py)."""
+    cfg = configs.load({})
+    return probe_depths(configs, cfg.model.depth, probe_stride(cfg))
 
 
 def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware, world: int,
-                  depths: tuple[int, ...] = (), *, values: bool = False) -> LayoutPlan:
+                  depths: tuple[int, ...] = (), *, values: bool = False, rank: int | None = None) -> LayoutPlan:
     """Plan configs.load(settings): measured at the configured depth, or at the two `depths` and extended
-    to it (utils/plan/probe.py)."""
+    to it (utils/plan/probe.py). Rank 0 is planned, or `rank`; under pipeline parallelism, without `rank`,
+    every pp rank of rank 0's pipeline (their stages differ: the embedding, the head, the microbatches in
+    flight) and the one holding the most is returned."""
     import torch
 
     from distributed.tensor.parallelize import sequence_parallel_on
+    from utils.comm import Axis, parse_order, rank_layout, resolve_sizes
 
     overrides = configs.overrides + [f"{k}={v}" for k, v in settings.items()]
     cfg = configs.load(settings)
-    check_plannable(cfg)
     if cfg.parallel.sequence_parallel is None:  # unset: as a run on the planned device resolves it, not this CPU
         settings = {**settings, "parallel.sequence_parallel": sequence_parallel_on(None, torch.device(hw.device))}
         cfg = configs.load(settings)
+    sizes = resolve_sizes(cfg.parallel, world)
+    ranks = rank_layout(sizes, parse_order(cfg.parallel.order))[Axis.PP][0] if sizes[Axis.PP] > 1 else [0]
+    ranks = ranks if rank is None else [rank]
+    plans = [plan_measured(cfg, measure_rank(configs, settings, world, depths, rank, values), hw, world, overrides)
+             for rank in ranks]
+    return max(plans, key=lambda p: p.total_bytes)
+
+
+def measure_rank(configs: LayoutConfigs, settings: dict[str, int], world: int, depths: tuple[int, ...], rank: int,
+                 values: bool) -> Measured:
+    """Global rank `rank` of configs.load(settings), measured at its depth or at two probe depths and extended."""
+    cfg = configs.load(settings)
     depth = cfg.model.depth
-    if len(depths) == 2:
-        low, high = (measure_layout(configs.load({**settings, "model.depth": d}), world, values=values,
-                                    vocab=configs.vocab)
-                     for d in depths)
-        full = Measured(high.layout, tuple(extend(a, b, depths[0], depth) for a, b in zip(low.held, high.held)),
-                        extend(low.comm_bytes, high.comm_bytes, depths[0], depth),
-                        extend(low.activation_bytes, high.activation_bytes, depths[0], depth),
-                        full_flops_per_sample(cfg, configs.vocab), high.axis_ranks,
-                        extend_units(high.units, depth), high.root_bytes)
-    else:
-        full = measure_layout(cfg, world, values=values, vocab=configs.vocab)
-    plan = LayoutPlan(full.layout, overrides)
+    if len(depths) < 2:
+        return measure_layout(cfg, world, rank=rank, values=values, vocab=configs.vocab)
+    low, high = (measure_layout(configs.load({**settings, "model.depth": d}), world, rank=rank, values=values,
+                                vocab=configs.vocab) for d in depths)
+    stride = depths[1] - depths[0]
+    return Measured(high.layout, tuple(extend(a, b, depths[0], depth, stride) for a, b in zip(low.held, high.held)),
+                    extend(low.comm_bytes, high.comm_bytes, depths[0], depth, stride),
+                    extend(low.activation_bytes, high.activation_bytes, depths[0], depth, stride),
+                    full_flops_per_sample(cfg, configs.vocab), high.axis_ranks,
+                    extend_units(high.units, depth // stride), high.root_bytes, rank)
+
+
+def plan_measured(cfg, full: Measured, hw: Hardware, world: int, overrides: list[str]) -> LayoutPlan:
+    """The plan of one measured rank: its bytes, the step's compute (with the schedule's bubble under pp),
+    its communication, whether it fits."""
+    plan = LayoutPlan(full.layout, overrides, rank=full.rank)
     plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes = full.held
     plan.comm_bytes, plan.activation_bytes = full.comm_bytes, full.activation_bytes
     plan.grads_meet_activations = cfg.parallel.dp * cfg.parallel.cp > 1 or cfg.trainer.grad_accum_steps > 1
@@ -249,11 +207,25 @@ def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware
         plan.gathered_bytes = gathered_peak(full.units, full.root_bytes, cfg.parallel.fsdp_reshard_after_forward)
     flops = full.flops_per_sample * cfg.trainer.global_batch_size / world
     plan.compute_s = flops / (peak_tflops(hw, cfg.precision.mode) * 1e12 * hw.efficiency)
+    bubble = pipeline_bubble(cfg)
+    plan.bubble_s = plan.compute_s * bubble / (1 - bubble)
     plan.comm_s = sum(n / (link_gbs(hw, full.axis_ranks[name]) * GB) for name, n in plan.comm_bytes.items())
-    plan.step_time_s = plan.compute_s + plan.comm_s
+    plan.step_time_s = plan.compute_s + plan.bubble_s + plan.comm_s
     plan.fits = plan.total_bytes <= hw.memory_gb * GB
     plan.host_bytes = round(HOST_RUNTIME_GIB * 2**30) + (plan.total_bytes if hw.device == "cpu" else 0)
     return plan
+
+
+def pipeline_bubble(cfg) -> float:
+    """The idle fraction of a step the pipeline schedule's theory predicts (distributed/pipeline/stage_plan.py);
+    0 without pp and for the zero-bubble schedules."""
+    from distributed.pipeline.stage_plan import resolve_plan
+
+    par = cfg.parallel
+    if par.pp == 1:
+        return 0.0
+    return resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches,
+                        cfg.model.depth).bubble() or 0.0
 
 
 # Peak resident memory of a rank beyond the model: Python, torch and its libraries, the data, gloo's buffers,
@@ -284,7 +256,7 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
 def plan_world(req: Request, configs: LayoutConfigs) -> list[LayoutPlan]:
     """Plan every layout of req.world ranks (req.jobs at a time); a layout the config checks refuse is kept
     with its error."""
-    depths = probe_depths(configs, configs.load({}).model.depth)
+    depths = probe_depths(configs, configs.load({}).model.depth)  # pp = 1: stride 1
     sizes = [{"parallel.tp": tp, "parallel.cp": cp, "parallel.dp": dp, "parallel.pp": 1}
              for tp, cp, dp in layouts(req.world)]
     plan = partial(plan_or_refusal, configs, hw=req.hardware, world=req.world, depths=depths)
@@ -328,19 +300,20 @@ def table(plans: list[LayoutPlan], req: Request) -> str:
     hw = req.hardware
     lines = [f"planner: gpu={req.gpu}, peak {hw.peak} x efficiency {hw.efficiency}, links intra {hw.intra_gbs} / "
              f"inter {hw.inter_gbs} GB/s{f' (--bandwidths {req.links_from})' if req.links_from else ''}, "
-             f"{hw.gpus_per_node} per node, {hw.memory_gb} GB; rank 0; no overlap",
-             "| rank | layout | fits | step s | compute s | comm s | params GiB | grads GiB | Adam GiB | "
+             f"{hw.gpus_per_node} per node, {hw.memory_gb} GB; rank 0 (under pp the rank named); no overlap",
+             "| rank | layout | fits | step s | compute s | bubble s | comm s | params GiB | grads GiB | Adam GiB | "
              "activations GiB | FSDP gathered GiB | total GiB | host GiB | comm MB per step by axis |",
-             "|" + "---|" * 14]
+             "|" + "---|" * 15]
     for i, p in enumerate(plans, 1):
         if p.refused:
-            lines.append(f"| - | {p.layout} | refused | {p.refused} |" + " |" * 10)
+            lines.append(f"| - | {p.layout} | refused | {p.refused} |" + " |" * 11)
             continue
         gib = [f"{n / 2**30:.2f}" for n in (p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes,
                                             p.gathered_bytes, p.total_bytes, p.host_bytes)]
         comm = ", ".join(f"{a} {n / 1e6:.1f}" for a, n in p.comm_bytes.items()) or "none"
-        lines.append(f"| {i} | {p.layout} | {'yes' if p.fits else 'NO'} | {p.step_time_s:.4g} | {p.compute_s:.4g} "
-                     f"| {p.comm_s:.4g} | " + " | ".join(gib) + f" | {comm} |")
+        name = p.layout + (f" (rank {p.rank})" if p.rank else "")
+        lines.append(f"| {i} | {name} | {'yes' if p.fits else 'NO'} | {p.step_time_s:.4g} | {p.compute_s:.4g} "
+                     f"| {p.bubble_s:.4g} | {p.comm_s:.4g} | " + " | ".join(gib) + f" | {comm} |")
     return "\n".join(lines)
 
 
@@ -351,7 +324,7 @@ def run(argv: list[str]) -> str:
         plans = plan_world(req, configs)
     else:
         cfg = configs.load({})
-        plans = [plan_settings(configs, {}, req.hardware, world_of(cfg), probe_depths(configs, cfg.model.depth))]
+        plans = [plan_settings(configs, {}, req.hardware, world_of(cfg), configured_probes(configs))]
     if req.as_json:
         return json.dumps({"gpu": req.gpu, "hardware": asdict(req.hardware), "links_from": req.links_from,
                            "layouts": [as_dict(p) for p in plans]}, indent=1)

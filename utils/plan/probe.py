@@ -12,7 +12,9 @@ bytes it sends on each axis (per-block collectives; DDP all-reduces every gradie
 the tensors saved for backward (per block, plus one interface per pair of neighbouring blocks; under
 activation checkpointing the blocks' inputs plus one recomputed block). So the planner takes the real
 step at depths d and d + 1 (`PROBE_DEPTHS`) and extends the line to the configured depth in integer
-arithmetic: the same numbers as a full-depth step. Before it does, the serial model's parameter count,
+arithmetic: the same numbers as a full-depth step. Under pipeline parallelism a rank holds its stages'
+blocks, not the model's: with one stage per rank the probes are 2 and 3 blocks per stage (`probe_stride`)
+and the line is extended to the configured blocks per stage. Before it does, the serial model's parameter count,
 built on the meta device at the two probe depths and at the full one, must lie on the same line (a model
 with blocks of different shapes is measured at full depth instead). tests/test_plan.py checks the
 extended figures against full-depth steps in several layouts.
@@ -23,6 +25,9 @@ from __future__ import annotations
 import copy
 
 PROBE_DEPTHS = (1, 2)  # consecutive: the extension is low + (depth - d) x (high - low)
+# Blocks per stage of the probes under pp: with one block, a stage under FSDP sends 0.4 MB less than the line
+# through 2, 3 and 4 blocks gives (gpt_tiny pp2 x dp2, rank 0; measured 2026-11-28), the line starts at 2
+PIPELINE_PROBE_BLOCKS = (2, 3)
 
 
 class LayoutConfigs:
@@ -52,12 +57,13 @@ class LayoutConfigs:
         return typed_config(job, self.choices, argv)[0]
 
 
-def extend(low, high, low_depth: int, depth: int):
-    """The figure at `depth` on the line through (low_depth, low) and (low_depth + 1, high): ints, or
-    dicts of ints by axis (an axis one probe lacks counts 0 there; the order is the deeper probe's)."""
+def extend(low, high, low_depth: int, depth: int, stride: int = 1):
+    """The figure at `depth` on the line through (low_depth, low) and (low_depth + stride, high): ints, or
+    dicts of ints by axis (an axis one probe lacks counts 0 there; the order is the deeper probe's).
+    `depth - low_depth` is a multiple of `stride`."""
     if isinstance(low, dict):
-        return {k: extend(low.get(k, 0), high.get(k, 0), low_depth, depth) for k in {**high, **low}}
-    return low + (depth - low_depth) * (high - low)
+        return {k: extend(low.get(k, 0), high.get(k, 0), low_depth, depth, stride) for k in {**high, **low}}
+    return low + (depth - low_depth) // stride * (high - low)
 
 
 def serial_params(configs: LayoutConfigs, depth: int) -> int:
@@ -84,11 +90,29 @@ def data_less_task(cfg, vocab: int | None):
     return task
 
 
-def probe_depths(configs: LayoutConfigs, depth: int) -> tuple[int, ...]:
-    """The depths to take the step at: PROBE_DEPTHS when the configured depth lies beyond them and the
-    serial parameter count is affine in the depth through them, else the configured depth itself."""
-    low, high = PROBE_DEPTHS
-    if depth <= high:
+def probe_stride(cfg) -> int:
+    """Blocks between the two probe depths: 1; under pipeline parallelism with one stage per rank, the
+    stage count (every stage, so every rank, gains one block: PIPELINE_PROBE_BLOCKS per stage);
+    0, no probes, with several stages per rank: the microbatches a rank has in flight then mix stages
+    whose saved bytes grow differently with the depth (the embedding's, the head's), so the peak of the
+    schedule need not be affine in it."""
+    from distributed.pipeline.stage_plan import resolve_plan
+
+    par = cfg.parallel
+    if par.pp == 1:
+        return 1
+    plan = resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, cfg.model.depth)
+    return plan.num_stages if plan.style == "single" else 0
+
+
+def probe_depths(configs: LayoutConfigs, depth: int, stride: int = 1) -> tuple[int, ...]:
+    """The depths to take the step at: PROBE_DEPTHS (under pp: PIPELINE_PROBE_BLOCKS times `stride`, the
+    stage count, `probe_stride`) when the configured depth lies beyond them, is a multiple of the stride and
+    the serial parameter count is affine in the depth through them, else the configured depth itself."""
+    if not stride:
+        return (depth,)
+    low, high = PROBE_DEPTHS if stride == 1 else (d * stride for d in PIPELINE_PROBE_BLOCKS)
+    if depth <= high or depth % stride:
         return (depth,)
     counts = [serial_params(configs, d) for d in (low, high, depth)]
-    return PROBE_DEPTHS if extend(counts[0], counts[1], low, depth) == counts[2] else (depth,)
+    return (low, high) if extend(counts[0], counts[1], low, depth, stride) == counts[2] else (depth,)

@@ -61,6 +61,10 @@ def play(overrides: list[str], world: int, rank: int, vocab: int | None, steps: 
     from utils.plan.step import check_batch_for, fake_world
 
     cfg, _, _ = load_config(overrides)
+    # torch's pipelining agrees on static shapes by a vote its stages send down the pipeline: on the fake group
+    # it arrives as zeros, and the shape exchange that follows needs real messages
+    require(cfg.parallel.pp == 1, "a pipeline rank cannot be played on the fake process group", "parallel.pp",
+            "plan the layout with python -m utils.plan (its rank holding the most), or play parallel.pp=1")
     task = data_less_task(cfg, vocab)
     with fake_world(world, rank), tempfile.TemporaryDirectory() as tmp:
         grid = init_grid(cfg.parallel)

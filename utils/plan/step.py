@@ -1,4 +1,4 @@
-"""One planned step: rank 0 of a layout built on torch's fake process group, one real Trainer.train_step
+"""One planned step: one rank of a layout built on torch's fake process group, one real Trainer.train_step
 under a fake-tensor mode (shapes and dtypes, no values, no FLOPs), and the bytes it holds and sends.
 The planner (utils/plan/cost_model.py) calls `measure_layout` once per layout and probe depth."""
 
@@ -11,20 +11,21 @@ from utils.plan.fsdp import Unit
 
 @dataclass
 class Measured:
-    """What rank 0 of one layout holds and sends in one training step (utils/plan/cost_model.py's figures)."""
+    """What one rank of one layout holds and sends in one training step (utils/plan/cost_model.py's figures)."""
 
     layout: str  # the grid's name: dp8, tp2-cp2-dp2, ...
     held: tuple[int, int, int]  # parameter, gradient, Adam-state bytes
     comm_bytes: dict[str, int]  # axis name -> bytes sent per step
     activation_bytes: int  # peak bytes saved for backward
     flops_per_sample: float  # of the model as built (its depth)
-    axis_ranks: dict[str, list[int]] = field(default_factory=dict)  # axis name -> global ranks of rank 0's group
+    axis_ranks: dict[str, list[int]] = field(default_factory=dict)  # axis name -> global ranks of the rank's group
     units: tuple[Unit, ...] = ()  # FSDP's units below the root, in forward order (utils/plan/fsdp.py)
     root_bytes: int = 0  # FSDP's root unit, gathered
+    rank: int = 0  # the global rank measured
 
 
-def measure_layout(cfg, world: int, *, values: bool = False, vocab: int | None = None) -> Measured:
-    """Build the real trainer of rank 0 of cfg's layout on a fake group of `world` ranks and take one
+def measure_layout(cfg, world: int, *, rank: int = 0, values: bool = False, vocab: int | None = None) -> Measured:
+    """Build the real trainer of global rank `rank` of cfg's layout on a fake group of `world` ranks and take one
     shapes-only step. The weights are built on the meta device and allocated without values (values=True:
     initialised as a run does, the full model's init on the CPU; the same figures). `vocab`: a language
     model's vocabulary (utils/plan/probe.py data_less_task)."""
@@ -37,7 +38,7 @@ def measure_layout(cfg, world: int, *, values: bool = False, vocab: int | None =
     from utils.engine.build import build_trainer
     from utils.plan.probe import data_less_task
 
-    with fake_world(world), tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    with fake_world(world, rank), tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DDP's and the scheduler's warnings about a step that is not one
         grid = init_grid(cfg.parallel)
         check_batch_for(cfg, grid)
@@ -47,7 +48,7 @@ def measure_layout(cfg, world: int, *, values: bool = False, vocab: int | None =
         held = held_bytes(trainer)  # after the step, which its fake Adam state must not meet
         ranks = {name: grid.axis(*[Axis(a) for a in name.split("_")]).ranks for name in comm}
         trainer.tb.close()
-    return Measured(grid.name, held, comm, activation, trainer.flops_per_sample, ranks, *units)
+    return Measured(grid.name, held, comm, activation, trainer.flops_per_sample, ranks, *units, rank)
 
 
 def fake_world(world: int, rank: int = 0):
