@@ -22,8 +22,31 @@ def gpt(corpus_root):
             "trainer.global_batch_size=4"]
 
 
-def test_export_loads_into_a_plain_model_and_imports_back(tmp_path, gpt):
+def reads_one_at_a_time(monkeypatch) -> list[int]:
+    """Make the export's checkpoint reads count, as each tensor arrives, how many earlier ones are still alive."""
+    import weakref
+
+    import utils.export.convert as convert
+
+    alive_before, refs, read = [], [], convert.iter_full
+
+    def counted(folder, prefix=""):
+        for key, tensor in read(folder, prefix):
+            alive_before.append(sum(ref() is not None for ref in refs))
+            refs.append(weakref.ref(tensor))
+            yield key, tensor
+            del tensor
+
+    monkeypatch.setattr(convert, "iter_full", counted)
+    return alive_before
+
+
+def test_export_loads_into_a_plain_model_and_imports_back(tmp_path, gpt, monkeypatch):
+    """The file holds the single-process state: a plain model loads it (strict) and computes what the trainer
+    computes, and import gives back every checkpoint tensor. Written one tensor at a time: when the export
+    reads a tensor from the checkpoint, none it read before is alive."""
     trainer = make_trainer(tmp_path / "run", *gpt)
+    alive_before = reads_one_at_a_time(monkeypatch)
     batches = iter(trainer.loaders.train)
     for _ in range(2):
         trainer.train_step(*next(batches))
@@ -31,6 +54,8 @@ def test_export_loads_into_a_plain_model_and_imports_back(tmp_path, gpt):
     saved = trainer.save_checkpoint()
     file = tmp_path / "model.pt"
     assert main(["export", str(saved), str(file)]) == 0
+    assert len(alive_before) == len([k for k in read_full(saved) if not k.startswith("rng/")])
+    assert set(alive_before) == {0}
 
     state = torch.load(file, weights_only=True)
     assert state["trainer"]["step"] == 2 and state["trainer"]["samples"] == 8

@@ -326,6 +326,7 @@ def iter_full(folder: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tenso
             with _as_error("read"):
                 dcp.load({key: tensor}, storage_reader=SafeReader(folder), no_dist=True)
             yield key, tensor
+            del tensor  # not alive here when the next is allocated
 
 
 def read_full(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:

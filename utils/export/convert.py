@@ -12,7 +12,8 @@ The file holds plain tensors of the one-process model, readable without this pro
      "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}, Adam's state per parameter name
      "trainer": {"step", "samples", "lr", "scaler", ...}}
 
-Export reads the checkpoint in one process (every shard, any layout; the per-rank RNG states are left out).
+Export reads the checkpoint in one process, one tensor at a time (every shard, any layout; the per-rank RNG
+states are left out).
 Import writes a complete checkpoint (DCP folder, state.json, marker, `latest`) that any layout resumes with
 `trainer.resume=auto run.dir=<new run>` or `trainer.resume=<its step folder>`; random streams are then
 re-derived from (seed, step, rank), as for a checkpoint of another layout.
@@ -40,7 +41,7 @@ from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer
 from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_folder
 from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts
-from utils.checkpoints.sharded_state import SafeReader, read_full
+from utils.checkpoints.sharded_state import SafeReader, iter_full
 from utils.comm import Grid
 from utils.data.tokenizers import PretrainedTokenizer
 
@@ -49,24 +50,61 @@ IMPORTED_HF = "imported from a Hugging Face folder"
 
 
 def export_checkpoint(folder: Path, out: Path) -> dict:
-    """Write the single-process state of the checkpoint `folder` to `out`; returns it.
+    """Write the single-process state of the checkpoint `folder` to `out`; returns it, its tensors fake (shapes
+    and dtypes, no values).
 
-    Peak memory: the checkpoint's full state (model and Adam moments) once: torch.save pickles one dict, so every
-    tensor is present at once, and it writes each tensor's storage as it is (no second copy)."""
+    Peak memory: one tensor of the state. torch.save pickles one dict that names every tensor, so the file is
+    written in two passes, as torch documents for writers that place the bytes themselves (its GPUDirect Storage
+    recipe): first the dict with fake tensors under `torch.serialization.skip_data` (each storage's space
+    reserved, no bytes), then each tensor read from the checkpoint alone (`iter_full`) and written at its
+    storage's offset in the file (read back as torch does, by loading the file under a fake-tensor mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     checkpointer = Checkpointer(folder.parent.parent, Grid.serial().world)
     if not checkpointer.is_complete(folder):
         raise ConfigError(f"{folder} is not a complete checkpoint", "CHECKPOINT",
                           "give a step_* folder that holds a COMPLETE marker")
-    state = {"model": {}, "optimizer": {}, "trainer": checkpointer.read_meta(folder)}
-    for key, tensor in read_full(folder).items():
+    metadata = SafeReader(folder).read_metadata().state_dict_metadata
+    with FakeTensorMode():
+        fake = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in metadata.items()
+                if isinstance(meta, TensorStorageMetadata) and key.startswith(EXPORTED)}
+    state = nested(fake, checkpointer.read_meta(folder))
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(state, out)
+    with FakeTensorMode():
+        placed = torch.load(out, weights_only=True)
+    offsets = {key: tensor.untyped_storage()._checkpoint_offset for key, tensor in flat(placed).items()}
+    with open(out, "r+b") as file:
+        for prefix in EXPORTED:
+            for key, tensor in iter_full(folder, prefix):
+                file.seek(offsets[key])
+                file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+                del tensor  # freed before the next is read
+    return state
+
+
+EXPORTED = ("model/", "optim/")  # the checkpoint's entries the file holds (not the per-rank RNG states)
+
+
+def nested(tensors: dict[str, torch.Tensor], trainer: dict) -> dict:
+    """The file's dict of a checkpoint's flat model/ and optim/<name>/<entry> tensors."""
+    state = {"model": {}, "optimizer": {}, "trainer": trainer}
+    for key, tensor in tensors.items():
         kind, _, rest = key.partition("/")
         if kind == "model":
             state["model"][rest] = tensor
-        elif kind == "optim":
+        else:
             name, _, entry = rest.rpartition("/")
             state["optimizer"].setdefault(name, {})[entry] = tensor
-    torch.save(state, out)
     return state
+
+
+def flat(state: dict) -> dict[str, torch.Tensor]:
+    """The checkpoint's keys of the file's tensors (`nested` undone)."""
+    tensors = {f"model/{name}": t for name, t in state["model"].items()}
+    tensors.update({f"optim/{name}/{entry}": t for name, entries in state["optimizer"].items()
+                    for entry, t in entries.items()})
+    return tensors
 
 
 def import_checkpoint(file: Path, run_dir: Path) -> Path:
@@ -75,9 +113,7 @@ def import_checkpoint(file: Path, run_dir: Path) -> Path:
     if not isinstance(state, dict) or not {"model", "optimizer", "trainer"} <= state.keys():
         raise ConfigError(f"{file} is not a file written by `python -m utils.export export`", "FILE",
                           "export a checkpoint first (it holds model, optimizer and trainer)")
-    tensors = {f"model/{name}": t for name, t in state["model"].items()}
-    tensors.update({f"optim/{name}/{entry}": t for name, entries in state["optimizer"].items()
-                    for entry, t in entries.items()})
+    tensors = flat(state)
     meta = {**state["trainer"], "layout": IMPORTED}
     return Checkpointer(run_dir, Grid.serial().world).save(int(meta["step"]), tensors, meta)
 
