@@ -340,7 +340,7 @@ def test_gathered_peak_is_taken_in_backward():
 
 def test_without_replicas_gradients_and_activations_do_not_add_up():
     """One process (no DDP buckets) with no accumulation: the step's peak counts the larger of the gradients
-    and the saved activations (they never live together); with accumulation, or with dp replicas, both."""
+    and the saved activations (they never live together); with accumulation, dp replicas or a pipeline, both."""
     one = plan_layout(TINY, GPUS["cpu"], 1)
     held = one.param_bytes + one.optimizer_bytes
     assert one.total_bytes == held + max(one.grad_bytes, one.activation_bytes)
@@ -349,3 +349,5 @@ def test_without_replicas_gradients_and_activations_do_not_add_up():
                                        + accumulated.grad_bytes + accumulated.activation_bytes)
     dp2 = plan_layout(TINY + ["parallel.dp=2"], GPUS["cpu"], 2)
     assert dp2.total_bytes == dp2.param_bytes + dp2.optimizer_bytes + dp2.grad_bytes + dp2.activation_bytes
+    pp2 = plan_layout(TINY + ["parallel=pp2"], GPUS["cpu"], 2)  # microbatch 1's gradients beside 2's activations
+    assert pp2.total_bytes == pp2.param_bytes + pp2.optimizer_bytes + pp2.grad_bytes + pp2.activation_bytes

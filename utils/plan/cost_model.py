@@ -85,7 +85,8 @@ GB = 1e9
 
 @dataclass
 class LayoutPlan:
-    """What rank 0 of one layout holds and sends in one training step, and the predicted step time."""
+    """What one rank of a layout (rank 0, or `rank` under pp) holds and sends in one training step, and the
+    predicted step time."""
 
     layout: str
     overrides: list[str]
@@ -101,15 +102,16 @@ class LayoutPlan:
     step_time_s: float = 0.0
     fits: bool = True
     refused: str = ""  # the one-line error of a layout the code refuses
-    host_bytes: int = 0  # peak resident host memory of rank 0: the runtime, plus everything above on a CPU
-    grads_meet_activations: bool = True  # False: no dp replicas and no accumulation (see total_bytes)
+    host_bytes: int = 0  # peak resident host memory of the rank: the runtime, plus everything above on a CPU
+    grads_meet_activations: bool = True  # False: no dp replicas, accumulation or pipeline (see total_bytes)
     rank: int = 0  # the global rank planned: 0, or under pp the pp rank of rank 0's pipeline holding the most
 
     @property
     def total_bytes(self) -> int:
         """The step's peak: weights, Adam's state (alive from the second step on) and, when the gradients exist
-        beside the saved activations (DDP's buckets hold them for the whole step, accumulation keeps the earlier
-        micro-batches' gradients; FSDP's shards are counted so too, an upper bound), both; else the larger: the
+        beside the saved activations (DDP's buckets hold them for the whole step, accumulation and a pipeline's
+        microbatches keep the earlier micro-batches' gradients beside the later ones' activations; FSDP's shards
+        are counted so too; an upper bound), both; else the larger: the
         step starts without gradients (`zero_grad(set_to_none=True)`) and its backward frees the activations as
         it makes them."""
         during = self.grad_bytes + self.activation_bytes if self.grads_meet_activations else \
@@ -174,8 +176,8 @@ def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware
     sizes = resolve_sizes(cfg.parallel, world)
     ranks = rank_layout(sizes, parse_order(cfg.parallel.order))[Axis.PP][0] if sizes[Axis.PP] > 1 else [0]
     ranks = ranks if rank is None else [rank]
-    plans = [plan_measured(cfg, measure_rank(configs, settings, world, depths, rank, values), hw, world, overrides)
-             for rank in ranks]
+    plans = [plan_measured(cfg, measure_rank(configs, settings, world, depths, r, values), hw, world, overrides)
+             for r in ranks]
     return max(plans, key=lambda p: p.total_bytes)
 
 
@@ -202,7 +204,8 @@ def plan_measured(cfg, full: Measured, hw: Hardware, world: int, overrides: list
     plan = LayoutPlan(full.layout, overrides, rank=full.rank)
     plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes = full.held
     plan.comm_bytes, plan.activation_bytes = full.comm_bytes, full.activation_bytes
-    plan.grads_meet_activations = cfg.parallel.dp * cfg.parallel.cp > 1 or cfg.trainer.grad_accum_steps > 1
+    par = cfg.parallel
+    plan.grads_meet_activations = par.dp * par.cp > 1 or cfg.trainer.grad_accum_steps > 1 or par.pp > 1
     if full.units or full.root_bytes:
         plan.gathered_bytes = gathered_peak(full.units, full.root_bytes, cfg.parallel.fsdp_reshard_after_forward)
     flops = full.flops_per_sample * cfg.trainer.global_batch_size / world
