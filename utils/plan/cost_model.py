@@ -176,15 +176,15 @@ def plan_settings(configs: LayoutConfigs, settings: dict[str, int], hw: Hardware
     sizes = resolve_sizes(cfg.parallel, world)
     ranks = rank_layout(sizes, parse_order(cfg.parallel.order))[Axis.PP][0] if sizes[Axis.PP] > 1 else [0]
     ranks = ranks if rank is None else [rank]
-    plans = [plan_measured(cfg, measure_rank(configs, settings, world, depths, r, values), hw, world, overrides)
+    plans = [plan_measured(cfg, measure_rank(configs, cfg, settings, world, depths, r, values), hw, world, overrides)
              for r in ranks]
     return max(plans, key=lambda p: p.total_bytes)
 
 
-def measure_rank(configs: LayoutConfigs, settings: dict[str, int], world: int, depths: tuple[int, ...], rank: int,
-                 values: bool) -> Measured:
-    """Global rank `rank` of configs.load(settings), measured at its depth or at two probe depths and extended."""
-    cfg = configs.load(settings)
+def measure_rank(configs: LayoutConfigs, cfg, settings: dict[str, int], world: int, depths: tuple[int, ...],
+                 rank: int, values: bool) -> Measured:
+    """Global rank `rank` of cfg = configs.load(settings), measured at its depth or at two probe depths and
+    extended."""
     depth = cfg.model.depth
     if len(depths) < 2:
         return measure_layout(cfg, world, rank=rank, values=values, vocab=configs.vocab)
@@ -222,13 +222,9 @@ def plan_measured(cfg, full: Measured, hw: Hardware, world: int, overrides: list
 def pipeline_bubble(cfg) -> float:
     """The idle fraction of a step the pipeline schedule's theory predicts (distributed/pipeline/stage_plan.py);
     0 without pp and for the zero-bubble schedules."""
-    from distributed.pipeline.stage_plan import resolve_plan
+    from utils.engine.build import pipeline_plan
 
-    par = cfg.parallel
-    if par.pp == 1:
-        return 0.0
-    return resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches,
-                        cfg.model.depth).bubble() or 0.0
+    return (pipeline_plan(cfg).bubble() or 0.0) if cfg.parallel.pp > 1 else 0.0
 
 
 # Peak resident memory of a rank beyond the model: Python, torch and its libraries, the data, gloo's buffers,

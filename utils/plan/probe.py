@@ -96,12 +96,11 @@ def probe_stride(cfg) -> int:
     0, no probes, with several stages per rank: the microbatches a rank has in flight then mix stages
     whose saved bytes grow differently with the depth (the embedding's, the head's), so the peak of the
     schedule need not be affine in it."""
-    from distributed.pipeline.stage_plan import resolve_plan
+    from utils.engine.build import pipeline_plan
 
-    par = cfg.parallel
-    if par.pp == 1:
+    if cfg.parallel.pp == 1:
         return 1
-    plan = resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, cfg.model.depth)
+    plan = pipeline_plan(cfg)
     return plan.num_stages if plan.style == "single" else 0
 
 
