@@ -10,6 +10,9 @@ import sys
 
 if __name__ == "__main__":  # the standard library only: no torch yet
     from utils.engine.preemption import record_stop_signals
+    from utils.startup import pause_collector
+
+    pause_collector()  # until the imports are done (utils/startup.py)
 
     record_stop_signals()  # a stop signal from here on ends the run with a checkpoint and 75, not a kill
 from utils.cli.entry import main  # noqa: E402 - after the signals are recorded

@@ -16,6 +16,7 @@ runs past its deadline replaces every process of the pool (the others' state is 
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -99,6 +100,7 @@ def _worker(index: int, jobs, results, test_process: int) -> None:
     torch.set_num_threads(1)  # the pool's ranks share the cores; more threads make every collective wait
     for module in PRELOAD:
         importlib.import_module(module)
+    gc.freeze()  # collections skip what the imports made, as under train.py (utils/startup.py)
     base_env = dict(os.environ)
     while (job := jobs.get()) is not None:
         job_id, rank, env, fn, args = job

@@ -180,7 +180,8 @@ def test_the_circle_finder_finds_circles():
 # its name or a dotted prefix of it: `utils` alone is the package's own __init__.py (and any new module placed
 # in utils/ itself, until it is given a line); `distributed.pipeline.stage_plan` sits below the rest of its folder.
 LAYERS = (
-    ("base", ("utils", "utils.schema", "utils.launch_env", "utils.signals", "distributed.pipeline.stage_plan")),
+    ("base", ("utils", "utils.schema", "utils.launch_env", "utils.signals", "utils.startup",
+              "distributed.pipeline.stage_plan")),
     ("models", ("networks",)),
     ("grid", ("utils.comm", "distributed.timeouts")),
     ("parallel", ("distributed",)),
@@ -265,10 +266,11 @@ def test_no_library_module_imports_a_script():
 
 def test_utils_holds_the_bottom_and_subpackages_by_concern():
     """Only the bottom of the layers sits in utils/ itself: the bad-input error (__init__.py), the config schema,
-    the launch environment, the stop signals; the grid is utils/comm/ (its package holds the grid and, in
-    __main__.py, its command); everything else is in a subpackage that says what it holds."""
+    the launch environment, the stop signals, the collector at a script's start; the grid is utils/comm/ (its
+    package holds the grid and, in __main__.py, its command); everything else is in a subpackage that says what
+    it holds."""
     loose = sorted(p.name for p in (ROOT / "utils").glob("*.py"))
-    assert loose == ["__init__.py", "launch_env.py", "schema.py", "signals.py"]
+    assert loose == ["__init__.py", "launch_env.py", "schema.py", "signals.py", "startup.py"]
     packages = sorted(p.parent.name for p in (ROOT / "utils").glob("*/__init__.py"))
     assert packages == ["bench", "checkpoints", "cli", "comm", "compare", "data", "doctor", "engine", "evaluate",
                         "export", "forecast", "generate", "plan", "tasks"]

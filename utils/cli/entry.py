@@ -32,11 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(USAGE)
         return 0
-    if is_hydra_command(argv):
-        from utils.cli import hydra_app
-
-        return hydra_app.main(argv)
-    # Imported here, not at the top: `--help` answers at once without loading torch and Hydra.
+    # Imported here, not at the top: `--help` answers at once without loading torch and Hydra. The trainer too
+    # (`run` would import it): the collector resumes once the imports are done (utils/startup.py).
+    from utils.cli import hydra_app
     from utils.cli.local_launch import run_command
+    from utils.engine import build  # noqa: F401
+    from utils.startup import imports_done
 
-    return run_command(argv)
+    imports_done()
+    return hydra_app.main(argv) if is_hydra_command(argv) else run_command(argv)

@@ -168,6 +168,10 @@ def forward_stop_signals(procs: list[subprocess.Popen], early: tuple[int, float]
 
 def launch_main(argv: list[str] | None = None) -> int:
     """`python train_mp.py [--nproc N] key=value ...`: start the layout's ranks here; the job's status."""
+    import utils.engine.build  # noqa: F401 - forked CPU ranks inherit the trainer imported (ForkedRank)
+    from utils.startup import imports_done
+
+    imports_done()  # train_mp.py paused the collector (utils/startup.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         nproc, argv = parse_nproc(argv)

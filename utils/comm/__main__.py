@@ -6,6 +6,12 @@ it: this one sits with the tools (tests/test_architecture.py LAYERS).
 
 import sys
 
-from utils.plan.layout import main
+from utils.startup import imports_done, pause_collector
+
+pause_collector()  # until the imports are done (utils/startup.py)
+
+from utils.plan.layout import main  # noqa: E402 - imported with the collector paused
+
+imports_done()
 
 sys.exit(main(sys.argv[1:]))

@@ -2,6 +2,12 @@
 
 import sys
 
-from utils.plan.cost_model import main
+from utils.startup import imports_done, pause_collector
+
+pause_collector()  # until the imports are done (utils/startup.py)
+
+from utils.plan.cost_model import main  # noqa: E402 - imported with the collector paused
+
+imports_done()
 
 sys.exit(main())
