@@ -40,7 +40,8 @@ def pytest_collection_finish(session):
     """Every test module, torch and the trainer imported: the collector skips them from here on, as it does
     under train.py (utils/startup.py). Without it, each full collection of a test process traversed about
     half a million objects (490,000 after collection), and collection took a seventh of the test processes' CPU."""
-    gc.freeze()
+    if not gc.get_freeze_count():  # once per process: a nested session (pytester) would pin the garbage of the moment
+        gc.freeze()
 
 pytest_plugins = ["pytester"]  # tests/test_planted_bugs.py runs the plant harness's plugin in a nested pytest
 
