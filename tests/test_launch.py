@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, run_entry
+from tests.helpers import NARROW, ROOT, run_entry
 from utils.cli.launch import free_port
 from utils.cli.local_launch import supervise
 
@@ -215,7 +215,8 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 f"--max-restarts={restarts}", "--monitor-interval=0.2", str(ROOT / "train.py"),
                 f"data.root={era5_root}", f"run.dir={tmp_path / name}", "parallel.dp=2", "trainer.max_steps=12",
-                "trainer.val_every=0", "trainer.ckpt_every=3", "trainer.num_workers=0", "trainer.log_every=1"]
+                "trainer.val_every=0", "trainer.ckpt_every=3", "trainer.num_workers=0", "trainer.log_every=1",
+                *NARROW, "trainer.val_at_start=false", "data.limit_nsamples_val=8"]
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                          TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
