@@ -5,7 +5,7 @@ Three things live here so that nothing else writes them:
   formula behind every `comm/<axis>_bytes` figure (and the planner's predictions).
 - `split_sizes` / `chunk_bounds` / `own_chunk`: how a length is split over the ranks of an axis
   (torch.tensor_split's convention: with L = q*n + r, the first r ranks hold q+1 elements).
-- Counted collectives on an `AxisGroup`: `all_reduce` (functional, traceable by torch.compile, used by
+- Counted collectives on an `AxisGroup`: `all_reduce` (a new tensor, traceable by torch.compile, used by
   the mappings and the vocab-parallel loss), `all_reduce_` (in place, for gradients and metrics),
   `all_reduce_coalesced_` (many tensors, one flat buffer), `all_gather`/`reduce_scatter` along a dim
   with padding for uneven splits (gloo has no all-gatherv; on gloo a reduce-scatter runs as an
@@ -19,7 +19,8 @@ Three things live here so that nothing else writes them:
   (all-to-all context parallelism turns sequence shards into head shards with it, and back).
 
 A size-1 axis moves nothing and calls nothing. Byte counts go through `distributed.counting.record`.
-The functional collectives (`torch.distributed._functional_collectives`) trace without graph breaks;
+The traceable ones run the functional collectives (`torch.distributed._functional_collectives`) while
+torch.compile traces them (no graph breaks) and c10d on a fresh buffer in eager code (less CPU per call);
 the in-place ones use the c10d API for buffers outside autograd (gradients, scaler flags, metrics).
 """
 
@@ -81,12 +82,31 @@ def wait(x: torch.Tensor) -> torch.Tensor:
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
+def _traced() -> bool:
+    """Inside torch.compile's tracing: the functional collectives, which trace without graph breaks. Eager code
+    calls c10d on a fresh output buffer instead: the same collective without the functional op's Python
+    dispatch (a custom op, its autograd wrapper, an AsyncCollectiveTensor, a wait), which is most of a small
+    collective's CPU on gloo (docs/measurements.md)."""
+    return torch.compiler.is_compiling()
+
+
+def _gathered(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """(n, *x.shape): every rank's `x` in rank order (eager c10d)."""
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # gloo wants the ranks' tensors end to end along dim 0
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.view(n, *x.shape)
+
+
 def all_reduce(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
     """A new tensor: `x` reduced over `axis` (op: sum | max | min); traceable, not differentiable."""
     if axis.size == 1:
         return x
     record(axis, ring_bytes("all_reduce", nbytes(x), axis.size))
-    return wait(funcol.all_reduce(x.contiguous(), op, axis.group))
+    if _traced():
+        return wait(funcol.all_reduce(x.contiguous(), op, axis.group))
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=_REDUCE_OPS[op], group=axis.group)
+    return out
 
 
 def all_reduce_(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
@@ -133,7 +153,11 @@ def all_gather(x: torch.Tensor, axis: AxisGroup, dim: int, sizes: Sequence[int])
     n, longest = axis.size, max(sizes)
     padded = _pad_to(x, dim, longest).contiguous()
     record(axis, ring_bytes("all_gather", n * nbytes(padded), n))
-    gathered = wait(_all_gather_single(padded, dim, axis.group))  # (..., n * longest, ...)
+    if _traced():
+        gathered = wait(_all_gather_single(padded, dim, axis.group))  # (..., n * longest, ...)
+    else:
+        stacked = _gathered(padded.detach(), axis.group, n)
+        gathered = stacked.flatten(0, 1) if dim == 0 else torch.cat(stacked.unbind(0), dim=dim)
     if all(s == longest for s in sizes):
         return gathered
     return torch.cat([gathered.narrow(dim, r * longest, s) for r, s in enumerate(sizes)], dim=dim)
@@ -168,7 +192,13 @@ def reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int, via: str | None =
         x = torch.cat([_pad_to(c, dim, longest) for c in x.tensor_split(n, dim=dim)], dim=dim)
     x = x.contiguous()
     record(axis, ring_bytes("reduce_scatter", nbytes(x), n))
-    out = wait(_reduce_scatter_single(x, "sum", dim, axis.group))  # (..., longest, ...)
+    if _traced():
+        out = wait(_reduce_scatter_single(x, "sum", dim, axis.group))  # (..., longest, ...)
+    else:
+        rows = x.detach().movedim(dim, 0).contiguous()  # rank r's chunk: rows r*longest ... (r+1)*longest - 1
+        out = rows.new_empty((longest, *rows.shape[1:]))
+        dist.reduce_scatter_tensor(out, rows, group=axis.group)
+        out = out.movedim(0, dim)
     return out.narrow(dim, 0, sizes[axis.rank])
 
 
@@ -183,15 +213,24 @@ def all_to_all(x: torch.Tensor, axis: AxisGroup, scatter_dim: int, gather_dim: i
     if scatter_dim == gather_dim == 0 and len({*scatter_sizes, *gather_sizes}) == 1:  # even, dim 0: views only
         buffer = x.contiguous().unflatten(0, (n, send_len))  # (n, k, ...): chunk j goes to rank j
         record(axis, (n - 1) * nbytes(buffer) // n)
-        return wait(funcol.all_to_all_single(buffer, None, None, axis.group)).flatten(0, 1)
+        return _exchanged(buffer, axis).flatten(0, 1)
     chunks = [_pad_to(_pad_to(c, scatter_dim, send_len), gather_dim, recv_len)
               for c in x.split(list(scatter_sizes), dim=scatter_dim)]
     buffer = torch.stack(chunks).contiguous()  # (n, ...): chunk j goes to rank j
     record(axis, (n - 1) * nbytes(buffer) // n)
-    received = wait(funcol.all_to_all_single(buffer, None, None, axis.group))  # (n, ...): from rank j
+    received = _exchanged(buffer, axis)  # (n, ...): from rank j
     parts = [received[j].narrow(scatter_dim, 0, scatter_sizes[axis.rank]).narrow(gather_dim, 0, gather_sizes[j])
              for j in range(n)]
     return torch.cat(parts, dim=gather_dim)
+
+
+def _exchanged(buffer: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    """Chunk j of `buffer` (its dim 0) sent to rank j, chunk j of the result received from rank j."""
+    if _traced():
+        return wait(funcol.all_to_all_single(buffer, None, None, axis.group))
+    out = torch.empty_like(buffer)
+    dist.all_to_all_single(out, buffer.detach(), group=axis.group)
+    return out
 
 
 def barrier(axis: AxisGroup) -> None:
