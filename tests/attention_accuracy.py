@@ -38,17 +38,16 @@ def under_autocast(attend, q, k, v, grad, dtype: torch.dtype) -> list[torch.Tens
     return [out] + [t.grad for t in leaves]
 
 
-def check_rank(rank: int, world_size: int, argv: list[str]) -> None:
-    """On one pooled rank of the case (torch.distributed already initialized): raise when this rank's
-    attention is less accurate than serial SDPA under the same autocast."""
+def check_rank(rank: int, world_size: int, cfg) -> None:
+    """On one pooled rank of the case (torch.distributed already initialized; `cfg`: the case's typed config,
+    `load_config` of its command line): raise when this rank's attention is less accurate than serial SDPA
+    under the same autocast."""
     from distributed.context.attention import ContextParallelAttention
-    from utils.cli.config import load_config
     from utils.comm import Axis, init_grid
     from utils.engine.build import build_model
     from utils.engine.precision import autocast_dtype
     from utils.tasks import build_task
 
-    cfg, _, _ = load_config(argv)
     grid = init_grid(cfg.parallel)
     task = build_task(cfg)
     model = build_model(cfg, task, grid).raw

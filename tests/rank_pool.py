@@ -5,7 +5,8 @@ work, not the start of N interpreters that import torch (about 3 s each on 2 cor
 variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on a fresh port), so
 `utils.comm.init_grid` and `torch.distributed` find the launch exactly as under torchrun; `fn` returns
 a picklable value per rank. `run_entry_ranks(argv, world)` runs the real entry point, `train.main(argv)`,
-on every rank, with each rank's stdout and stderr caught (the trainer's log lines, a refusal's one line).
+on every rank, with each rank's stdout and stderr caught (the trainer's log lines, a refusal's one line);
+the test process composes the command line once for all of them (Hydra's compose, the same function).
 
 What a case may leave behind is undone before the next: the process group is destroyed, the logging
 handlers closed, the stop-signal handlers and the environment restored, torch's default dtype, grad mode
@@ -230,12 +231,34 @@ def _failed(value: object) -> bool:
     return isinstance(value, int) and value != 0
 
 
-def _entry(rank: int, world: int, argv: list[str]) -> int:
-    """The real entry point on one rank: `train.main(argv)`'s exit status (SystemExit's code included)."""
+@contextlib.contextmanager
+def _composed_as(argv: list[str], composed: bytes | None):
+    """Hydra's composition of exactly `argv` answered with `composed` (the pickled DictConfig the test process
+    made with the same `compose_config`); any other command line composes as usual."""
+    import pickle
+
+    from utils.cli import config
+
+    compose = config.compose_config
+
+    def compose_config(args: list[str]):
+        return pickle.loads(composed) if composed is not None and list(args) == argv else compose(args)
+
+    config.compose_config = compose_config
+    try:
+        yield
+    finally:
+        config.compose_config = compose
+
+
+def _entry(rank: int, world: int, argv: list[str], composed: bytes | None = None) -> int:
+    """The real entry point on one rank: `train.main(argv)`'s exit status (SystemExit's code included).
+    `composed`: the command line's composition, made once by the test process (see `run_entry_ranks`)."""
     import train
 
     try:
-        return int(train.main(list(argv)) or 0)
+        with _composed_as(list(argv), composed):
+            return int(train.main(list(argv)) or 0)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 1
 
@@ -256,10 +279,23 @@ def pool() -> RankPool:
 
 def run_entry_ranks(argv: list[str], world: int | None = None, timeout_s: float = 180.0) -> list[RankResult]:
     """`python train.py argv` as `world` torchrun ranks would run it (default: the ranks its layout needs,
-    as train_mp.py starts them), on the pool; each result's value is that rank's exit status."""
+    as train_mp.py starts them), on the pool; each result's value is that rank's exit status.
+
+    The command line is composed here once (`utils.cli.config.compose_config`, Hydra's compose: about 0.1 s
+    of CPU) and handed to the ranks, each of which would compose the same: every rank still checks and types
+    it (`typed_config`, the config's own checks). A command line Hydra refuses is composed by each rank,
+    which refuses it as train.py does."""
+    import pickle
+
+    from utils import ConfigError
+    from utils.cli.config import compose_config, load_config
+
     if world is None:
-        from utils.cli.config import load_config
         from utils.cli.launch import ranks_needed
 
         world = ranks_needed(load_config(list(argv))[0].parallel)
-    return pool().run(_entry, world, list(argv), timeout_s=timeout_s)
+    try:
+        composed = pickle.dumps(compose_config(list(argv)))
+    except ConfigError:
+        composed = None
+    return pool().run(_entry, world, list(argv), composed, timeout_s=timeout_s)

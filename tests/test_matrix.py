@@ -33,11 +33,15 @@ from tests.attention_accuracy import check_rank
 from tests.helpers import QUIET, read_scalars, run_ranks
 from tests.matrix import MODEL_ARGS, Case, Mismatch, covering_set, packing_args, random_cases
 from tests.rank_pool import run_entry_ranks
+from utils.cli.config import load_config
 
 STEPS = 4
-# fingerprints of every step (utils/engine/fingerprints.py): a failing case names where it parts from the
-# single-process run (utils/compare/diverge.py), and so does each planted bug's report
-COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=1", f"trainer.fingerprint_steps={STEPS}"]
+COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=1"]
+# A failing case runs again, and its single-process run too, with fingerprints of every step
+# (utils/engine/fingerprints.py): its message names where the two part (utils/compare/diverge.py), and so does
+# each planted bug's report. The runs are deterministic, so the second pair parts as the first did; a passing
+# case does not pay for the fingerprints (about 6% of a case's CPU).
+FINGERPRINTED = [f"trainer.fingerprint_steps={STEPS}"]
 # The largest relative deviation of a correct layout from the single-process run, per (model, precision): CPU
 # (Intel Xeon, AVX-512, 2 cores), torch 2.13.0, 2026-11-27; (cases measured) beside each. docs/testing.md.
 SPREAD = {("vit", "bf16"): 3.6e-5,  # 20
@@ -96,18 +100,20 @@ def summary(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, request):
-    """The single-process run of (model, precision, accumulation, packing), made on first use."""
+    """The single-process run of (model, precision, accumulation, packing), made on first use (`fingerprinted`:
+    with FINGERPRINTED, for a failing case's localisation)."""
     made: dict[tuple, dict] = {}
     tmp = tmp_path_factory.mktemp("matrix_ref")
     roots = _roots(request)
 
-    def get(case: Case) -> dict:
-        key = (case.model, case.precision, case.grad_accum_steps, case.packing)
+    def get(case: Case, fingerprinted: bool = False) -> dict:
+        key = (case.model, case.precision, case.grad_accum_steps, case.packing, fingerprinted)
         if key not in made:
             name = "-".join(map(str, key))
             results, run_dir = run_case(tmp, name, case.model, roots[case.model],
                                         [f"precision={case.precision}", f"trainer.grad_accum_steps={key[2]}",
-                                         *packing_args(case.packing)], 1)
+                                         *packing_args(case.packing), *(FINGERPRINTED if fingerprinted else [])],
+                                        1)
             assert_exit(results, 0)
             made[key] = {**summary(run_dir), "dir": run_dir}
         return made[key]
@@ -136,6 +142,18 @@ def assert_follows(reference: dict, got: dict, model: str, precision: str) -> No
                        f"{sorted(set(got['shapes'].items()) ^ set(reference['shapes'].items()))[:4]}")
 
 
+def where_it_parts(case: Case, tmp_path: Path, root: str, references) -> str:
+    """The case and its single-process run again with fingerprints (FINGERPRINTED): the first step, module and
+    pass where they part (utils/compare/diverge.py)."""
+    from utils.compare.diverge import first_divergence
+
+    results, run_dir = run_case(tmp_path, f"{case.name}-fingerprinted", case.model, root,
+                                [*case.overrides(), *FINGERPRINTED], case.world)
+    assert_exit(results, 0)
+    reference = references(case, fingerprinted=True)
+    return first_divergence(reference["dir"], run_dir) or "no parameter's gradient or update parts"
+
+
 def check_case(case: Case, tmp_path: Path, request, references) -> None:
     root = _roots(request)[case.model]
     results, run_dir = run_case(tmp_path, case.name, case.model, root, case.overrides(), case.world)
@@ -147,17 +165,16 @@ def check_case(case: Case, tmp_path: Path, request, references) -> None:
     try:
         assert_follows(reference, got, case.model, case.precision)
     except Mismatch as err:  # where the two runs part, on the message's first line (the plants' reports show it)
-        from utils.compare.diverge import first_divergence
-
         first, _, rest = str(err).partition("\n")
         try:
-            where = first_divergence(reference["dir"], run_dir) or "no parameter's gradient or update parts"
+            where = where_it_parts(case, tmp_path, root, references)
         except Exception as failed:  # noqa: BLE001 - the comparison's verdict stands without its localisation
             where = f"? (the localiser failed: {failed})"
         raise Mismatch(f"{first}; parts first at {where}\n{rest}".rstrip()) from None
     if case.cp > 1 and case.precision != "fp32":  # the attention as built for the case (tests/attention_accuracy.py)
         try:
-            run_ranks(check_rank, case.world, tmp_path, case_argv(run_dir, case.model, root, case.overrides()))
+            cfg = load_config(case_argv(run_dir, case.model, root, case.overrides()))[0]
+            run_ranks(check_rank, case.world, tmp_path, cfg)
         except RuntimeError as err:
             if "AssertionError" in str(err):  # a rank's attention error above its bound: a comparison, not a crash
                 raise Mismatch(f"the attention check: {str(err).strip().splitlines()[-1]}") from err
@@ -224,7 +241,6 @@ def test_the_predicted_verdicts_are_those_of_the_command_line():
 
     from tests.matrix import GLOBAL_BATCH, refusal, space
     from utils import ConfigError
-    from utils.cli.config import load_config
     from utils.comm import Axis, batch_parts, check_grid
     from utils.data.batching import check_batch
     from utils.engine.build import pipeline_plan
