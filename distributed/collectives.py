@@ -82,6 +82,25 @@ def wait(x: torch.Tensor) -> torch.Tensor:
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
+_issuing = 0  # > 0 while a collective of this module runs its c10d call
+
+
+def issuing() -> bool:
+    """Whether a collective of this module is in its c10d call now: the planner counts the c10d calls of
+    FSDP2, whose bytes no counter holds, and leaves these out (they are counted: utils/plan/step.py)."""
+    return _issuing > 0
+
+
+def _c10d(call: Callable, /, *args, **kwargs) -> None:
+    """`call(*args, **kwargs)`, a c10d collective of this module's (see `issuing`)."""
+    global _issuing
+    _issuing += 1
+    try:
+        call(*args, **kwargs)
+    finally:
+        _issuing -= 1
+
+
 def _traced() -> bool:
     """Inside torch.compile's tracing: the functional collectives, which trace without graph breaks. Eager code
     calls c10d on a fresh output buffer instead: the same collective without the functional op's Python
@@ -93,7 +112,7 @@ def _traced() -> bool:
 def _gathered(x: torch.Tensor, group, n: int) -> torch.Tensor:
     """(n, *x.shape): every rank's `x` in rank order (eager c10d)."""
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # gloo wants the ranks' tensors end to end along dim 0
-    dist.all_gather_into_tensor(out, x, group=group)
+    _c10d(dist.all_gather_into_tensor, out, x, group=group)
     return out.view(n, *x.shape)
 
 
@@ -105,7 +124,7 @@ def all_reduce(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tenso
     if _traced():
         return wait(funcol.all_reduce(x.contiguous(), op, axis.group))
     out = x.detach().clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=_REDUCE_OPS[op], group=axis.group)
+    _c10d(dist.all_reduce, out, op=_REDUCE_OPS[op], group=axis.group)
     return out
 
 
@@ -197,7 +216,7 @@ def reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int, via: str | None =
     else:
         rows = x.detach().movedim(dim, 0).contiguous()  # rank r's chunk: rows r*longest ... (r+1)*longest - 1
         out = rows.new_empty((longest, *rows.shape[1:]))
-        dist.reduce_scatter_tensor(out, rows, group=axis.group)
+        _c10d(dist.reduce_scatter_tensor, out, rows, group=axis.group)
         out = out.movedim(0, dim)
     return out.narrow(dim, 0, sizes[axis.rank])
 
@@ -229,7 +248,7 @@ def _exchanged(buffer: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
     if _traced():
         return wait(funcol.all_to_all_single(buffer, None, None, axis.group))
     out = torch.empty_like(buffer)
-    dist.all_to_all_single(out, buffer.detach(), group=axis.group)
+    _c10d(dist.all_to_all_single, out, buffer.detach(), group=axis.group)
     return out
 
 

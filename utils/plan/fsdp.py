@@ -4,8 +4,9 @@ and the units it gathers.
 Bytes: FSDP2's all-gathers and reduce-scatters are torch's own (`dist.all_gather_into_tensor`,
 `dist.reduce_scatter_tensor`), not the counted collectives of distributed/, so a run's comm/<axis>_bytes
 leaves them out. The planner's shapes-only step sees them as the dispatcher ops `c10d._allgather_base_` and
-`c10d._reduce_scatter_base_` (distributed/ calls the functional collectives, other ops) with their real
-buffers: the padded shards of each unit's parameters, and the gradients in the reduce dtype (fp32). So
+`c10d._reduce_scatter_base_` (the counted collectives' own eager calls of these ops are told apart and left
+out: `distributed.collectives.issuing`) with their real buffers: the padded shards of each unit's
+parameters, and the gradients in the reduce dtype (fp32). So
 `collective_bytes` counts exactly the collectives the step issued, with ring_bytes' convention (what one rank
 sends): every unit gathered in forward and again in backward under `fsdp_reshard_after_forward`, the root
 included (torch keeps the root gathered only when that setting is left to torch), once per micro-batch,

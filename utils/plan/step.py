@@ -89,6 +89,7 @@ def shapes_only(weights: list):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
     from torch.utils._pytree import tree_leaves
 
+    from distributed.collectives import issuing
     from utils.bench.train_step import storage_id
     from utils.plan.fsdp import collective_bytes
 
@@ -99,7 +100,7 @@ def shapes_only(weights: list):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func.namespace == "c10d":
+            if func.namespace == "c10d" and not issuing():  # FSDP2's own, not distributed/'s counted ones
                 self.fsdp_bytes += collective_bytes(func, args)
             if func is torch.ops.aten._local_scalar_dense.default:
                 return True if args[0].dtype == torch.bool else 1
