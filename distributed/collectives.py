@@ -217,7 +217,7 @@ def reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int, via: str | None =
         rows = x.detach().movedim(dim, 0).contiguous()  # rank r's chunk: rows r*longest ... (r+1)*longest - 1
         out = rows.new_empty((longest, *rows.shape[1:]))
         _c10d(dist.reduce_scatter_tensor, out, rows, group=axis.group)
-        out = out.movedim(0, dim)
+        out = out.movedim(0, dim).contiguous()  # as the functional collective returns it
     return out.narrow(dim, 0, sizes[axis.rank])
 
 
