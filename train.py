@@ -9,12 +9,13 @@ being imported is acted on at the run's first chance (utils/engine/preemption.py
 import sys
 
 if __name__ == "__main__":  # the standard library only: no torch yet
-    from utils.engine.preemption import record_stop_signals
+    from utils.engine.preemption import inherit_early_stop, record_stop_signals
     from utils.startup import pause_collector
 
     pause_collector()  # until the imports are done (utils/startup.py)
 
     record_stop_signals()  # a stop signal from here on ends the run with a checkpoint and 75, not a kill
+    inherit_early_stop()  # and one the launcher (train_mp.py) received before it started this rank
 from utils.cli.entry import main  # noqa: E402 - after the signals are recorded
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ from utils.comm import AxisGroup
 _all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
+# torch 2.13 renamed c10d's single-tensor all-gather and reduce-scatter (the old names warn)
+_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -112,7 +116,7 @@ def _traced() -> bool:
 def _gathered(x: torch.Tensor, group, n: int) -> torch.Tensor:
     """(n, *x.shape): every rank's `x` in rank order (eager c10d)."""
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # gloo wants the ranks' tensors end to end along dim 0
-    _c10d(dist.all_gather_into_tensor, out, x, group=group)
+    _c10d(_all_gather_base, out, x, group=group)
     return out.view(n, *x.shape)
 
 
@@ -216,7 +220,7 @@ def reduce_scatter(x: torch.Tensor, axis: AxisGroup, dim: int, via: str | None =
     else:
         rows = x.detach().movedim(dim, 0).contiguous()  # rank r's chunk: rows r*longest ... (r+1)*longest - 1
         out = rows.new_empty((longest, *rows.shape[1:]))
-        _c10d(dist.reduce_scatter_tensor, out, rows, group=axis.group)
+        _c10d(_reduce_scatter_base, out, rows, group=axis.group)
         out = out.movedim(0, dim).contiguous()  # as the functional collective returns it
     return out.narrow(dim, 0, sizes[axis.rank])
 

@@ -92,3 +92,20 @@ def test_a_signal_before_set_up_is_recorded_and_taken_over_by_the_request(handle
         assert request.signum == signal.SIGUSR2
         assert 59.0 < request._timer.interval < 59.8  # 60 s from the arrival, not from set-up
     assert take_early_stop() is None  # taken once
+
+
+def test_a_launchers_early_stop_reaches_its_ranks_in_their_environment(handlers_kept, monkeypatch):
+    """train_mp.py hands a stop signal it received before starting the ranks to each rank in its environment (a
+    signal sent to a rank just forked can be lost: CPython clears a fork's pending signals, issue 9535): the
+    rank's StopRequest takes it over as if it had come there, its deadline counted from the launcher's receipt."""
+    from utils.engine.preemption import early_stop_env, inherit_early_stop
+
+    monkeypatch.setattr(os, "environ", {**os.environ, **early_stop_env((signal.SIGTERM, time.monotonic() - 0.5))})
+    inherit_early_stop()
+    with StopRequest(60) as request:
+        assert request.signum == signal.SIGTERM
+        assert 59.0 < request._timer.interval < 59.6
+    assert take_early_stop() is None
+    monkeypatch.setattr(os, "environ", {})
+    inherit_early_stop()  # a rank whose launcher had no early signal
+    assert take_early_stop() is None

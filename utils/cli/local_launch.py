@@ -30,7 +30,14 @@ from utils import ConfigError, exit_bad_input, require
 from utils.cli.config import load_config
 from utils.cli.launch import die_with_parent, free_port, rank_env, ranks_needed
 from utils.comm import check_grid, destroy_grid
-from utils.engine.preemption import EARLY_SIGNALS, EXIT_LATE, EXIT_PREEMPTED, take_early_stop
+from utils.engine.preemption import (
+    EARLY_SIGNALS,
+    EXIT_LATE,
+    EXIT_PREEMPTED,
+    early_stop_env,
+    inherit_early_stop,
+    take_early_stop,
+)
 from utils.launch_env import LaunchEnv, launch_env
 
 ENTRY_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"  # what a new rank interpreter runs
@@ -147,9 +154,8 @@ def supervise(procs: list[subprocess.Popen], preempt_grace_s: float = 180.0) -> 
 def forward_stop_signals(procs: list[subprocess.Popen], early: tuple[int, float] | None = None) -> None:
     """A stop signal to the launcher (SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGINT) reaches every rank as SIGTERM
     (each finishes its step, checkpoints and exits); a second one kills them. `early`, one the launcher received
-    before the ranks started (train_mp.py records them from its first line; taken before forking, so a forked
-    rank records the forwarded one itself even before its trainer's handlers are up), is forwarded now. Ranks
-    also die with the launcher (die_with_parent)."""
+    while it started the ranks, is forwarded now (one from before that went to the ranks in their environment:
+    `early_stop_env`). Ranks also die with the launcher (die_with_parent)."""
     received = []
 
     def forward(signum, frame):
@@ -206,6 +212,7 @@ class ForkedRank:
             die_with_parent()  # (the launcher took its early stop before forking: it forwards it to every rank)
             os.environ.clear()
             os.environ.update(env)
+            inherit_early_stop()  # the launcher's stop signal from before the ranks started
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read the variable at import already
             code = run_command(argv)
         except SystemExit as exit_:
@@ -248,14 +255,16 @@ def launch(argv: list[str], world: int, use_gpus: bool) -> int:
     gpus = torch.cuda.is_available()
     port = free_port()
     print(f"train_mp: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
-    early = take_early_stop()  # before forking: a forked rank must not inherit it and clear what it is sent
+    early = take_early_stop()  # before forking: handed to every rank in its environment, not sent to it
+    told = {} if early is None else early_stop_env(early)
     if gpus:
-        procs = [subprocess.Popen([sys.executable, str(ENTRY_SCRIPT), *argv], env=rank_env(r, world, port, use_gpus),
-                                  preexec_fn=die_with_parent) for r in range(world)]
+        procs = [subprocess.Popen([sys.executable, str(ENTRY_SCRIPT), *argv],
+                                  env={**rank_env(r, world, port, use_gpus), **told}, preexec_fn=die_with_parent)
+                 for r in range(world)]
     else:
         import utils.engine.build  # noqa: F401 - the rest of what a rank imports: once here, not once in every rank
 
-        procs = [ForkedRank(rank_env(r, world, port, False), argv) for r in range(world)]
-    forward_stop_signals(procs, early)
+        procs = [ForkedRank({**rank_env(r, world, port, False), **told}, argv) for r in range(world)]
+    forward_stop_signals(procs, take_early_stop())  # one that came while the ranks were being started
     return supervise(procs)
 

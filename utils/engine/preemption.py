@@ -48,6 +48,23 @@ def take_early_stop() -> tuple[int, float] | None:
     return _early.pop() if _early else None
 
 
+EARLY_STOP_VAR = "DLSCALE_EARLY_STOP"  # "signal,monotonic time": the launcher's stop signal from before its ranks
+
+
+def early_stop_env(early: tuple[int, float]) -> dict[str, str]:
+    """The variable that hands a launcher's early stop signal to the ranks it starts. A signal sent to a rank
+    just started can be lost: CPython clears a fork's pending signals after fork (issue 9535), and a new
+    interpreter dies of one that comes before its handlers are up."""
+    return {EARLY_STOP_VAR: f"{early[0]},{early[1]!r}"}
+
+
+def inherit_early_stop() -> None:
+    """In a rank: the launcher's early stop signal (`early_stop_env`), recorded as if it had come here."""
+    if (value := os.environ.get(EARLY_STOP_VAR)) and not _early:
+        signum, at = value.split(",")
+        _early.append((int(signum), float(at)))
+
+
 class StopRequest:
     """Context manager that installs the handlers (main thread only) and restores the previous ones; after
     a stop was requested it leaves SIGTERM, SIGUSR1, SIGUSR2 and SIGHUP ignored instead: the process is on its way
