@@ -209,7 +209,7 @@ class ForkedRank:
         """In the child: `run_command`; its exit status (1 and the traceback for an exception)."""
         code = 1
         try:
-            die_with_parent()  # (the launcher took its early stop before forking: it forwards it to every rank)
+            die_with_parent()
             os.environ.clear()
             os.environ.update(env)
             inherit_early_stop()  # the launcher's stop signal from before the ranks started
