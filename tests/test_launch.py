@@ -201,30 +201,30 @@ def _rank_pid(run_dir, rank: int) -> int | None:
 def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_path, era5_root):
     """torchrun --max-restarts=1, dp=2: SIGKILL rank 1 after step 7 (checkpoints every 3 steps); torchrun
     restarts both ranks, they resume from the newest complete checkpoint (step 6) and the final weights
-    and the whole loss curve equal an uninterrupted run's bitwise."""
+    and the whole loss curve equal an uninterrupted run's bitwise. The uninterrupted run is the same command
+    on the rank pool's two ranks (tests/rank_pool.py: train.main as torchrun's ranks run it, one thread
+    each), while torchrun restarts: a second torchrun job cost its three interpreters' start (docs/measurements.md)."""
     import signal
+    import threading
 
     import torch
 
     from tests.helpers import read_scalars
+    from tests.rank_pool import run_entry_ranks
     from utils.checkpoints.sharded_state import read_full
 
-    def torchrun(name: str, restarts: int) -> tuple[subprocess.Popen, list[str]]:
-        import threading
-
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                f"--max-restarts={restarts}", "--monitor-interval=0.2", str(ROOT / "train.py"),
-                f"data.root={era5_root}", f"run.dir={tmp_path / name}", "parallel.dp=2", "trainer.max_steps=12",
+    def command(name: str) -> list[str]:
+        return [f"data.root={era5_root}", f"run.dir={tmp_path / name}", "parallel.dp=2", "trainer.max_steps=12",
                 "trainer.val_every=0", "trainer.ckpt_every=3", "trainer.num_workers=0", "trainer.log_every=1",
                 *NARROW, "trainer.val_at_start=false", "data.limit_nsamples_val=8"]
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                                         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
-        lines: list[str] = []
-        threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-        return proc, lines
 
-    killed, out = torchrun("killed", 1)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+            "--monitor-interval=0.2", str(ROOT / "train.py"), *command("killed")]
+    killed = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                       TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(iter(killed.stdout.readline, "")), daemon=True).start()
     deadline = time.time() + 120
     while not any("step 7/" in line for line in list(out)):
         assert killed.poll() is None and time.time() < deadline, "".join(out[-30:])
@@ -232,12 +232,12 @@ def test_torchrun_restart_resumes_and_ends_with_the_uninterrupted_weights(tmp_pa
     os.kill(_rank_pid(tmp_path / "killed", 1), signal.SIGKILL)
     killed_at = time.time()
     saved = [line.split("step_")[-1].strip() for line in list(out) if "saved checkpoint" in line]
-    full, full_out = torchrun("full", 0)  # the reference, meanwhile
+    full = run_entry_ranks(command("full"), 2)  # the reference, meanwhile
+    assert [r.value for r in full] == [0, 0], [r.error for r in full]
     status = killed.wait(timeout=180)
     (tmp_path / "torchrun_out.txt").write_text("".join(out))  # the job's output, kept beside its run directories
     assert status == 0, "".join(out[-40:])
     print(f"torchrun restart: rank 1 killed after step 7, job finished {time.time() - killed_at:.1f} s later")
-    assert full.wait(timeout=180) == 0, "".join(full_out[-30:])
     text = "".join(out)
     resumed = text[text.index("resumed from"):].split("\n")[0]  # step 6, or 9 when its save beat the kill
     assert resumed.startswith(f"resumed from {tmp_path / 'killed' / 'checkpoints' / f'step_{saved[-1]}'}"), \

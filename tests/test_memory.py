@@ -83,18 +83,20 @@ def test_the_planner_predicts_each_ranks_host_memory(tmp_path, era5_root, layout
     per rank (not the runtime) decides the figure. The peak of the run (its second step), not of the first
     step: the planner predicts a step with Adam's state alive beside the activations, which the first step
     allocates only after its backward. Under FSDP the gathered units (two blocks of 12.6M parameters and a
-    block's gradient, utils/plan/fsdp.py) are part of the prediction: without them it falls 21% short. Under
+    block's gradient, utils/plan/fsdp.py) are part of the prediction, 0.14 of its 1.27 GiB here (within the
+    bound without them at this size; at a batch of 8 and patches of 4 it fell 21% short without them). Under
     pp the planner plans both ranks and names the one holding more: its microbatches in flight are those of
     torch's 1F1B schedule. glibc's mmap threshold is fixed (trainer.malloc_mmap_threshold_mib, as the memory
     bench runs): with its default, memory a step frees stays resident, which the planner does not model (the
     pp2 run's end peaked at 1.42 GiB then, 1.23 with it fixed, against 1.15 predicted, at a batch of 8;
-    docs/memory.md). A batch of 4 and 2 validation samples keep it short (docs/measurements.md: the ratios)."""
+    docs/memory.md). A batch of 4, 2 validation samples and patches of 8 (32 tokens of the 32x64 grid: the
+    state of patches of 4 at a quarter of the matmuls) keep it short (docs/measurements.md: the ratios)."""
     from utils.plan.cost_model import plan_layout
     from utils.plan.options import GPUS
 
-    argv = [*QUIET, "model.embed_dim=1024", "model.num_heads=8", f"model.depth={depth}", f"data.root={era5_root}",
-            "data.limit_nsamples_val=2", *layout, "trainer.global_batch_size=4", "trainer.max_steps=2",
-            "trainer.malloc_mmap_threshold_mib=1", f"run.dir={tmp_path / 'run'}"]
+    argv = [*QUIET, "model.embed_dim=1024", "model.num_heads=8", f"model.depth={depth}", "model.patch_size=8",
+            f"data.root={era5_root}", "data.limit_nsamples_val=2", *layout, "trainer.global_batch_size=4",
+            "trainer.max_steps=2", "trainer.malloc_mmap_threshold_mib=1", f"run.dir={tmp_path / 'run'}"]
     plan = plan_layout(argv, GPUS["cpu"], 2)
     done = run_entry("train_mp.py", *argv)  # fresh processes: a pooled rank keeps memory from earlier cases
     assert done.returncode == 0, done.stderr[-2000:]
