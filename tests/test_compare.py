@@ -12,16 +12,15 @@ import csv
 import statistics
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import ROOT, read_scalars, run_entry
+from tests.helpers import ROOT, read_scalars
+from tests.rank_pool import run_entry_ranks
 from utils.compare.report import layout_of, main, read_curves
 
 TINY = ["trainer.max_steps=4", "trainer.val_every=2", "trainer.log_every=2", "trainer.ckpt_every=0",
-        "trainer.num_workers=1", "trainer.worker_start=fork", "trainer.global_batch_size=8",
-        "data.limit_nsamples_val=8"]
+        "trainer.num_workers=0", "trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["loss_vs_step.png", "loss_vs_time.png", "throughput.png"]
 
@@ -29,19 +28,15 @@ FIGURES = ["loss_vs_step.png", "loss_vs_time.png", "throughput.png"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, era5_root):
     """{'single': run dir (1 rank), 'dp2': run dir (2 ranks, parallel.dp derived: 0 in its config.yaml),
-    'tp2': run dir (2 ranks)}."""
+    'tp2': run dir (2 ranks)}: train.py's command lines on the rank pool's ranks as torchrun starts them
+    (tests/rank_pool.py), which write what a launched run writes."""
     root = tmp_path_factory.mktemp("runs")
-    commands = {"single": ("train.py",), "dp2": ("train_mp.py", "--nproc", "2", "parallel=dp"),
-                "tp2": ("train.py", "parallel=tp2")}
-    # One OpenMP thread per process: on 2 busy cores the default threads spin against each other (a run
-    # takes over twice as long: docs/measurements.md). All runs at once: their start-up overlaps.
-    with ThreadPoolExecutor(len(commands)) as pool:
-        procs = {name: pool.submit(run_entry, *command, f"data.root={era5_root}", f"run.dir={root / name}",
-                                   *TINY, env={"OMP_NUM_THREADS": "1"})
-                 for name, command in commands.items()}
-    for proc in (future.result() for future in procs.values()):
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return {name: root / name for name in commands}
+    layouts = {"single": ([], 1), "dp2": (["parallel=dp"], 2), "tp2": (["parallel=tp2"], 2)}
+    for name, (layout, world) in layouts.items():
+        results = run_entry_ranks([f"data.root={era5_root}", f"run.dir={root / name}", *TINY, *layout], world)
+        failed = [r for r in results if r.value != 0]
+        assert not failed, failed[0].error or failed[0].stdout[-2000:] + failed[0].stderr[-3000:]
+    return {name: root / name for name in layouts}
 
 
 def table_rows(text: str) -> list[dict[str, str]]:

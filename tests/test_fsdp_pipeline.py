@@ -4,9 +4,10 @@
   the unsharded block under autocast: bf16 matmuls, fp32 residual stream, as DDP + autocast computes.
 - A non-last pipeline stage whose output has another dtype or shape than the declared one raises, instead
   of the next stage reading its bytes as the declared dtype.
-- End to end through train_mp.py: dp2 FSDP and pp2 x dp2 FSDP in bf16 follow the single-process bf16
-  curve within relative 1e-4 per step, loss and validation loss (measured: 2.7e-5, the same as dp2 and
-  pp2 x dp2 DDP in bf16, whose losses the FSDP runs reproduce exactly). Before the fix, pp2 x dp2 FSDP
+- End to end through the entry point (`train.main` on the rank pool's ranks, as torchrun starts them): dp2
+  FSDP and pp2 x dp2 FSDP in bf16 follow the single-process bf16 curve within relative 1e-4 per step, loss
+  and validation loss (measured: 2.7e-5, the same as dp2 and pp2 x dp2 DDP in bf16, whose losses the FSDP
+  runs reproduce exactly). Before the fix, pp2 x dp2 FSDP
   ended at 0.85 (untrained level) against 0.50, and dp2 FSDP, whose residual stream was bf16, was 7e-4 off.
 - Memory under pp x FSDP: a microbatch's backward holds one block's gradient buffer in flight, not one per
   block of the stage (one FSDP root over each stage's blocks).
@@ -24,7 +25,8 @@ from distributed.fsdp import shard_data_parallel
 from distributed.pipeline.stage_plan import resolve_plan
 from distributed.pipeline.stages import StageModule, cut_for_rank
 from networks.vit import ViT, ViTConfig
-from tests.helpers import QUIET, read_scalars, run_entry, run_ranks
+from tests.helpers import QUIET, read_scalars, run_ranks
+from tests.rank_pool import run_entry_ranks
 from utils.comm import init_grid
 from utils.schema import ParallelConfig
 
@@ -72,12 +74,13 @@ def test_a_stage_that_changes_the_declared_activation_raises(change, message):
         stage(torch.randn(2, 2, 16, 16))
 
 
-def _curve(tmp_path, era5_root, name: str, script: str, *layout: str) -> list[float]:
-    """train/loss per step, then the final val/loss (the forward-only pass through the stages)."""
+def _curve(tmp_path, era5_root, name: str, *layout: str) -> list[float]:
+    """train/loss per step, then the final val/loss (the forward-only pass through the stages), of a run on the
+    ranks its layout needs."""
     run_dir = tmp_path / name
-    proc = run_entry(script, *COMMON, f"data.root={era5_root}", f"run.dir={run_dir}", *layout, timeout=300,
-                     env={"OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = run_entry_ranks([*COMMON, f"data.root={era5_root}", f"run.dir={run_dir}", *layout], timeout_s=300)
+    failed = [r for r in results if r.value != 0]
+    assert not failed, failed[0].error or failed[0].stdout[-2000:] + failed[0].stderr[-4000:]
     scalars = read_scalars(run_dir)
     return [v for _, v in scalars["train/loss"]] + [v for _, v in scalars["val/loss"]]
 
@@ -85,14 +88,14 @@ def _curve(tmp_path, era5_root, name: str, script: str, *layout: str) -> list[fl
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory, era5_root):
     tmp = tmp_path_factory.mktemp("bf16")
-    return _curve(tmp, era5_root, "single", "train.py"), tmp
+    return _curve(tmp, era5_root, "single"), tmp
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.pp=2", "parallel.dp=2"]], ids=["dp2", "pp2dp2"])
 def test_fsdp_bf16_follows_the_single_process_bf16_curve(layout, bf16_reference, era5_root):
     reference, tmp = bf16_reference
     got = _curve(tmp, era5_root, "fsdp_" + "_".join(layout).replace("parallel.", "").replace("=", ""),
-                 "train_mp.py", *layout, "parallel.dp_mode=fsdp")
+                 *layout, "parallel.dp_mode=fsdp")
     assert len(got) == len(reference) == STEPS + 1
     assert got == pytest.approx(reference, rel=REL)
 
