@@ -7,8 +7,8 @@
 - End to end through the entry point (`train.main` on the rank pool's ranks, as torchrun starts them): dp2
   FSDP and pp2 x dp2 FSDP in bf16 follow the single-process bf16 curve within relative 1e-4 per step, loss
   and validation loss (measured: 2.7e-5, the same as dp2 and pp2 x dp2 DDP in bf16, whose losses the FSDP
-  runs reproduce exactly). Before the fix, pp2 x dp2 FSDP
-  ended at 0.85 (untrained level) against 0.50, and dp2 FSDP, whose residual stream was bf16, was 7e-4 off.
+  runs reproduce exactly). Before the fix, pp2 x dp2 FSDP ended at 0.85 (untrained level) against 0.50, and
+  dp2 FSDP, whose residual stream was bf16, was 7e-4 off.
 - Memory under pp x FSDP: a microbatch's backward holds one block's gradient buffer in flight, not one per
   block of the stage (one FSDP root over each stage's blocks).
 """
