@@ -2,7 +2,9 @@
 
 Blocks: a ViT block (bidirectional attention) and a GPT block (causal, rotary positions: the rotary
 tables are built inside forward), each taken from a 1-block model parallelized at tp=2 on gloo, with
-sequence parallelism on and off. Inputs have 7 tokens, an uneven sequence split (4 + 3) under SP.
+sequence parallelism on and off. Inputs have 7 tokens, an uneven sequence split (4 + 3) under SP, but
+in the inductor case below (8 tokens, 4 + 4: both ranks compile the same kernels, so the second loads
+them from inductor's on-disk cache instead of running the C++ compiler again).
 Per case, in fp32 on identical weights and inputs:
 - the forward traces into exactly one graph with no graph break (`torch._dynamo.explain`), and
   `fullgraph=True` compilation succeeds without recompiling on a second call;
@@ -114,22 +116,23 @@ def full_param_grads(block: nn.Module, grads: dict[str, torch.Tensor], axis: Axi
     return full
 
 
-def parallel_block(grid, kind: str, sp: bool):
+def parallel_block(grid, kind: str, sp: bool, seq: int = SEQ):
     """(parallel block, serial block, full input, full output gradient, local view) of a 1-block model."""
     axis = grid.axis("tp")
     serial_model = build_model(kind)
     model = parallelize(copy.deepcopy(serial_model), grid=grid, sequence_parallel=sp)
     if sp:
-        model.enter_seq.shards.enter(SEQ)  # what the model's entry records before its blocks run
-    x = torch.randn(BATCH, SEQ, EMBED, generator=torch.Generator().manual_seed(1))
-    g = torch.randn(BATCH, SEQ, EMBED, generator=torch.Generator().manual_seed(2))
+        model.enter_seq.shards.enter(seq)  # what the model's entry records before its blocks run
+    x = torch.randn(BATCH, seq, EMBED, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(BATCH, seq, EMBED, generator=torch.Generator().manual_seed(2))
     local = (lambda t: t.tensor_split(axis.size, dim=1)[axis.rank]) if sp else (lambda t: t)  # (B, N_local, D)
     return model.blocks[0], serial_model.blocks[0], x, g, local
 
 
-def check_block(grid, kind: str, sp: bool, checkpointed: bool = False, backend: str = "aot_eager") -> None:
+def check_block(grid, kind: str, sp: bool, checkpointed: bool = False, backend: str = "aot_eager",
+                seq: int = SEQ) -> None:
     """Compiled parallel block == eager parallel block == serial block, in one graph."""
-    inner, serial, x, g, local = parallel_block(grid, kind, sp)
+    inner, serial, x, g, local = parallel_block(grid, kind, sp, seq)
     params = dict(inner.named_parameters())
     block = checkpoint_wrapper(inner, checkpoint_impl=CheckpointImpl.NO_REENTRANT) if checkpointed else inner
     assert_one_graph(block, local(x))
@@ -158,7 +161,7 @@ def _tp_compile_checks(rank: int, world_size: int) -> None:
     for kind in ("vit", "gpt"):
         for sp in (False, True):
             check_block(grid, kind, sp)
-    check_block(grid, "gpt", sp=True, checkpointed=True, backend="inductor")  # recompute re-runs collectives
+    check_block(grid, "gpt", sp=True, checkpointed=True, backend="inductor", seq=8)  # recompute re-runs collectives
     block, _, x, g, local = parallel_block(grid, "gpt", sp=True)
     check_autocast(block, local(x), local(g))  # bf16 collectives on gloo
 
