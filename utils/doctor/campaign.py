@@ -14,8 +14,8 @@ stop the rest:
 It writes `campaign.md` and `campaign.json` (`kind: dlscale-gpu-campaign`) in `--out` (default
 outputs/campaign/<UTC time>/), each step's command, status, seconds, its parsed figures and its output's tail.
 
-`--dry-run` (the suite runs it on the CPU): the same steps at tiny sizes (vit_tiny and gpt_tiny, one or two timed
-steps, the doctor without the bandwidth sweep); the compiled benchmarks are listed, not run (compiling on the CPU
+`--dry-run` (the suite runs it on the CPU): the same steps at tiny sizes (vit_tiny, gpt_tiny at 32 tokens, one or two
+timed steps, the doctor without the bandwidth sweep); the compiled benchmarks are listed, not run (compiling on the CPU
 takes minutes). The exit status is 0 when every step that ran passed, else 1; 2 for bad input.
 """
 
@@ -85,7 +85,7 @@ def bench_steps(dry_run: bool, seed_dir: Path | None) -> list[Step]:
     """utils.bench for vit_base and gpt_small in bf16, eager and compiled (tiny twins in the dry run)."""
     steps = []
     models = {"vit": ["model=vit_tiny"] if dry_run else ["model=vit_base"],
-              "gpt": ["model=gpt_tiny", "data=wikitext_sample"] if dry_run else
+              "gpt": ["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=32"] if dry_run else
                      ["model=gpt_small", "data=wikitext_sample", "data.seq_len=1024"]}
     timing = ["--warmup", "1", "--steps", "1"] if dry_run else ["--warmup", "3", "--steps", "10"]
     for family, model in models.items():
