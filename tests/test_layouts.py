@@ -28,7 +28,7 @@ from utils.tasks import build_task
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
-STEPS = 8  # long enough to resume from steps 5 to 7 and still train; the matrix (4 steps) covers the pairs
+STEPS = 8  # long enough to resume from steps 5 to 7 and still train; the matrix (3 steps) covers the pairs
 LOW_PRECISION_REL = {"bf16": 8 * 2.0**-8}  # 8 unit roundoffs: a sense check; the matrix derives its bounds
 # one validation, at the end; sequence parallelism on under tp (the GPU default; the CPU default, off, is
 # test_vit_tp2_without_sequence_parallelism)
