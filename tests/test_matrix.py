@@ -12,14 +12,14 @@ see the ring's statistics computed in bf16). Each refused case must exit 2 on ev
 the trainer's checks predict, and nothing else.
 
 Tolerances (relative, per logged value). fp32: 1e-4, the project's layout contract (correct layouts measured at
-most 5.5e-6). bf16 and fp16: derived from the spread among correct layouts of the same model and precision,
-SPREAD (each one's worst relative deviation from the single-process run, the largest over every correct
-layout measured: the covering set and seeded random cases of the whole space), times MARGIN for machines
-whose kernels round elsewhere. The spread depends on the model as much as on the dtype (the ViT's regression
-moves 20x less than a language model's cross-entropy), so the bound is per (model, precision): a bf16 master
-weight under FSDP (a plant: tests/planted_bugs.py) moved the ViT's curves by 5.1e-4 in 4 steps, 14x its spread and 60x
-below the former bound of 8 bf16 unit roundoffs (3.1e-2), which let it through. `DLSCALE_MATRIX_REPORT=FILE`
-appends each case's worst deviation to FILE; docs/testing.md has the table and how to re-derive it.
+most 5.5e-6). bf16 and fp16: derived from the spread among correct layouts of the same model and precision, SPREAD
+(each one's worst relative deviation from the single-process run, the largest over every correct layout measured:
+the covering set and seeded random cases of the whole space), times MARGIN for machines whose kernels round
+elsewhere. The spread depends on the model as much as on the dtype (the ViT's regression moves 20x less than a
+language model's cross-entropy), so the bound is per (model, precision): a bf16 master weight under FSDP (a plant:
+tests/planted_bugs.py) moved the ViT's curves by 5.1e-4 in 4 steps, 14x its spread and 60x below the former bound
+of 8 bf16 unit roundoffs (3.1e-2), which let it through. `DLSCALE_MATRIX_REPORT=FILE` appends each case's worst
+deviation to FILE; docs/testing.md has the table and how to re-derive it.
 """
 
 from __future__ import annotations
