@@ -95,14 +95,20 @@ def test_compiled_training_follows_eager(workload, workloads, tmp_path):
     assert train_losses(compiled, 3) == pytest.approx(eager, rel=1e-4)
 
 
-def test_slow_or_idle_precision_is_announced_in_one_line():
+def test_slow_or_idle_precision_is_announced_in_one_line(monkeypatch):
+    from utils.engine import precision
     from utils.engine.precision import precision_notice
 
     cpu = torch.device("cpu")
     assert "use precision=bf16 or precision=fp32" in precision_notice("fp16", cpu)
     assert "no effect on CPU" in precision_notice("tf32", cpu)
-    assert precision_notice("bf16", cpu) is None and precision_notice("fp32", cpu) is None
-    assert all("\n" not in precision_notice(m, cpu) for m in ("fp16", "tf32"))
+    assert precision_notice("fp32", cpu) is None
+    assert (precision_notice("bf16", cpu) is None) == precision.cpu_has_bf16_kernels()
+    monkeypatch.setattr(precision, "cpu_has_bf16_kernels", lambda: True)  # AVX-512: oneDNN's bf16 kernels
+    assert precision_notice("bf16", cpu) is None
+    monkeypatch.setattr(precision, "cpu_has_bf16_kernels", lambda: False)  # AVX2 only: torch's reference loop
+    assert "use precision=fp32" in precision_notice("bf16", cpu)
+    assert all("\n" not in precision_notice(m, cpu) for m in ("fp16", "tf32", "bf16"))
 
 
 def test_a_long_first_step_says_so_within_seconds():

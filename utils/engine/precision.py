@@ -15,13 +15,22 @@ def autocast_dtype(mode: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
 
 
+def cpu_has_bf16_kernels() -> bool:
+    """Whether torch's bf16 matmuls on this CPU run on oneDNN (from AVX-512 on); without it (AVX2 only) they run
+    on a reference loop many times slower than fp32's (docs/measurements.md)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def precision_notice(mode: str, device: torch.device) -> str | None:
     """One line when `mode` is slow or has no effect on `device` (None when it is fine): fp16 on CPU has no
-    fast kernels (a step many times slower than fp32's: docs/measurements.md), bf16 on a GPU without bf16
-    support is emulated, tf32 on CPU is plain fp32."""
+    fast kernels (a step many times slower than fp32's: docs/measurements.md), nor has bf16 on a CPU without
+    AVX-512, bf16 on a GPU without bf16 support is emulated, tf32 on CPU is plain fp32."""
     if device.type == "cpu" and mode == "fp16":
         return ("precision=fp16 is very slow on CPU (no fp16 matrix kernels; steps can take 10x longer): "
                 "use precision=bf16 or precision=fp32")
+    if device.type == "cpu" and mode == "bf16" and not cpu_has_bf16_kernels():
+        return ("precision=bf16 is slow on this CPU (no bf16 matrix kernels without AVX-512; matmuls can take 10x "
+                "longer): use precision=fp32")
     if device.type == "cuda" and mode == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         return "precision=bf16 is emulated on this GPU (no bf16 units): use precision=fp16 (loss scaling) or fp32"
     if device.type == "cpu" and mode == "tf32":
