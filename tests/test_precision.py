@@ -100,14 +100,15 @@ def test_slow_or_idle_precision_is_announced_in_one_line(monkeypatch):
     from utils.engine.precision import precision_notice
 
     cpu = torch.device("cpu")
-    assert "use precision=bf16 or precision=fp32" in precision_notice("fp16", cpu)
     assert "no effect on CPU" in precision_notice("tf32", cpu)
     assert precision_notice("fp32", cpu) is None
     assert (precision_notice("bf16", cpu) is None) == precision.cpu_has_bf16_kernels()
     monkeypatch.setattr(precision, "cpu_has_bf16_kernels", lambda: True)  # AVX-512: oneDNN's bf16 kernels
     assert precision_notice("bf16", cpu) is None
+    assert "use precision=bf16 or precision=fp32" in precision_notice("fp16", cpu)
     monkeypatch.setattr(precision, "cpu_has_bf16_kernels", lambda: False)  # AVX2 only: torch's reference loop
     assert "use precision=fp32" in precision_notice("bf16", cpu)
+    assert "bf16" not in precision_notice("fp16", cpu).split("use ")[-1]  # not advised where it is slow too
     assert all("\n" not in precision_notice(m, cpu) for m in ("fp16", "tf32", "bf16"))
 
 

@@ -27,7 +27,7 @@ def precision_notice(mode: str, device: torch.device) -> str | None:
     AVX-512, bf16 on a GPU without bf16 support is emulated, tf32 on CPU is plain fp32."""
     if device.type == "cpu" and mode == "fp16":
         return ("precision=fp16 is very slow on CPU (no fp16 matrix kernels; steps can take 10x longer): "
-                "use precision=bf16 or precision=fp32")
+                f"use {'precision=bf16 or ' if cpu_has_bf16_kernels() else ''}precision=fp32")
     if device.type == "cpu" and mode == "bf16" and not cpu_has_bf16_kernels():
         return ("precision=bf16 is slow on this CPU (no bf16 matrix kernels without AVX-512; matmuls can take 10x "
                 "longer): use precision=fp32")
