@@ -61,10 +61,12 @@ FACTORS = {
 }
 NAMES = tuple(FACTORS)
 GLOBAL_BATCH = 16  # divisible by every dp x accumulation x microbatches of the space
+# Each case validates once, at its end: the language models on 512 tokens (one batch of 16 rows of 32), about 8%
+# of a case's CPU less than 2048 (docs/measurements.md), the ViT on 8 samples (half a batch).
 MODEL_ARGS = {
     "vit": ["trainer.global_batch_size=16", "data.limit_nsamples_val=8", "model.depth=4", *NARROW],
-    "gpt": [*TINY_GPT, "data.limit_eval_tokens=2048", "trainer.global_batch_size=16", *NARROW],
-    "llama": ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=2048", "trainer.global_batch_size=16",
+    "gpt": [*TINY_GPT, "data.limit_eval_tokens=512", "trainer.global_batch_size=16", *NARROW],
+    "llama": ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=512", "trainer.global_batch_size=16",
               *NARROW],
 }
 

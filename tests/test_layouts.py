@@ -35,7 +35,7 @@ LOW_PRECISION_REL = {"bf16": 8 * 2.0**-8}  # 8 unit roundoffs: a sense check; th
 COMMON = [*QUIET, f"trainer.max_steps={STEPS}", "trainer.log_every=5", "parallel.sequence_parallel=true"]
 VIT = ["trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
 # no greedy decoding at validation but under pp2tp2 (below)
-GPT = [*TINY_GPT, "data.limit_eval_tokens=4096", "trainer.global_batch_size=8", *NARROW]
+GPT = [*TINY_GPT, "data.limit_eval_tokens=1024", "trainer.global_batch_size=8", *NARROW]
 
 LAYOUTS = {
     "dp2": ["parallel.dp=2"],
@@ -71,7 +71,7 @@ GPT_LAYOUTS = ["dp2", "tp2", "cp2", "cp2_alltoall", "cp4_hierarchical", "tp2cp2_
 # Llama (RMSNorm, SwiGLU, rotary, 4 query heads over 2 key/value heads, untied head): key/value heads kept whole
 # per group (tp4), grouped K/V around the ring (cp2), repeated for the all-to-all (cp4), stages, FSDP (split
 # over tp2 and gathered under tp2 x cp2: the matrix's Llama cases).
-LLAMA = ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=4096", "trainer.global_batch_size=8"]
+LLAMA = ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=1024", "trainer.global_batch_size=8"]
 LLAMA_LAYOUTS = ["tp4", "cp2", "cp4_alltoall", "pp2tp2", "fsdp_dp2"]  # tp2, tp2 x cp2: in the matrix
 
 

@@ -16,7 +16,7 @@ from tests.test_wikitext import write_text
 pytestmark = pytest.mark.slow  # trains through the entry point on several ranks
 
 STEPS = 4
-PACKED = ["model=llama_tiny", "data=wikitext", *TINY_GPT[2:], "data.seq_len=64", "data.limit_eval_tokens=2048",
+PACKED = ["model=llama_tiny", "data=wikitext", *TINY_GPT[2:], "data.seq_len=64", "data.limit_eval_tokens=512",
           "trainer.global_batch_size=4", "data.packing=documents", "data.attention=document"]
 PACKED_LAYOUTS = {"tp2": LAYOUTS["tp2"], "cp2_ring": LAYOUTS["cp2"], "cp2_allgather": [*LAYOUTS["cp2"],
                   "parallel.cp_attention=allgather"], "cp2_alltoall": LAYOUTS["cp2_alltoall"],
