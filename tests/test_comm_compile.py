@@ -3,9 +3,12 @@
 A 2-block GPT (7 tokens, an uneven sequence split under SP; 8 in the inductor case, whose two ranks then compile
 the same kernels and the second loads them from inductor's on-disk cache) is parallelized at tp=2 on gloo. One
 training step (loss, backward) counts the tp bytes after the forward and after the backward; the eager model
-gives the reference. Its blocks are then compiled (a) by the trainer's path, `wrap_blocks(compile=True)` with
-the default inductor backend, with sequence parallelism (all-gather / reduce-scatter mappings), and (b) with
-backend="aot_eager" and fullgraph=True without sequence parallelism (copy / all-reduce mappings). For each, over
+gives the reference. Its blocks are then compiled (a) by the trainer's path with both wrappers,
+`wrap_blocks(checkpoint=True, compile=True)` with the default inductor backend, with sequence parallelism
+(all-gather / reduce-scatter mappings): the compiled recomputation re-runs the collectives but counts none of
+them again, and every parameter gradient equals the eager step's (the suite's one inductor-compiled parallel
+block; tests/test_compile.py traces with aot_eager), and (b) with backend="aot_eager" and fullgraph=True
+without sequence parallelism (copy / all-reduce mappings). For each, over
 two steps with `grid.reset_comm_bytes()` in between: forward bytes and forward+backward bytes equal eager (so
 the autograd Functions' compiled backward counts too), and the second step compiles nothing new. Two blocks, and
 the eager vocab-parallel loss between the compiled forward and backward, catch a counter whose backward
@@ -61,19 +64,29 @@ def step_bytes(model: GPT, grid: Grid, size: int = BATCH, seq: int = SEQ) -> tup
     return forward, grid.axis("tp").bytes_moved
 
 
+def plain_grads(model: GPT) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient by its name without the checkpoint wrapper's prefix."""
+    return {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()}
+
+
 def check_inductor_blocks(grid: Grid) -> None:
-    """The trainer's path: wrap_blocks(compile=True), default backend, sequence parallelism on."""
-    want = step_bytes(build_gpt(grid, sp=True), grid, seq=INDUCTOR_SEQ)
+    """The trainer's path: wrap_blocks(checkpoint=True, compile=True), default backend, sequence parallelism on:
+    eager bytes and gradients of the step without recomputation, one graph for both blocks, no recompile."""
+    eager = build_gpt(grid, sp=True)
+    want = step_bytes(eager, grid, seq=INDUCTOR_SEQ)
     assert 0 < want[0] < want[1], want
     torch._dynamo.reset()
     counters.clear()
     model = build_gpt(grid, sp=True)
-    wrap_blocks(model, checkpoint=False, compile=True)
+    wrap_blocks(model, checkpoint=True, compile=True)
     assert step_bytes(model, grid, seq=INDUCTOR_SEQ) == want
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs >= 1
+    got, grads = plain_grads(model), plain_grads(eager)
+    assert got.keys() == grads.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, grads[name], msg=lambda m: f"{name}: {m}")
+    assert counters["stats"]["unique_graphs"] == 1, "the two blocks share one graph"
     assert step_bytes(model, grid, seq=INDUCTOR_SEQ) == want
-    assert counters["stats"]["unique_graphs"] == graphs, "the second step recompiled"
+    assert counters["stats"]["unique_graphs"] == 1, "the second step recompiled"
 
 
 def check_aot_eager_blocks(grid: Grid) -> None:

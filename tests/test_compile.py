@@ -2,9 +2,7 @@
 
 Blocks: a ViT block (bidirectional attention) and a GPT block (causal, rotary positions: the rotary
 tables are built inside forward), each taken from a 1-block model parallelized at tp=2 on gloo, with
-sequence parallelism on and off. Inputs have 7 tokens, an uneven sequence split (4 + 3) under SP, but
-in the inductor case below (8 tokens, 4 + 4: both ranks compile the same kernels, so the second loads
-them from inductor's on-disk cache instead of running the C++ compiler again).
+sequence parallelism on and off. Inputs have 7 tokens, an uneven sequence split (4 + 3) under SP.
 Per case, in fp32 on identical weights and inputs:
 - the forward traces into exactly one graph with no graph break: `fullgraph=True` compilation (which raises
   at any break) succeeds, compiles one frame, and does not recompile on a second call (a separate
@@ -12,13 +10,14 @@ Per case, in fp32 on identical weights and inputs:
 - output, input gradient and every parameter gradient of the compiled block equal the eager
   parallel block, which in turn equals the serial block (sharded gradients gathered, partial
   gradients of sequence-parallel weights summed over tp).
-Backends: the four cases compile with backend="aot_eager" (dynamo + AOTAutograd: where graph breaks
-and the mappings' autograd.Functions are traced; inductor only generates kernels). The default
-inductor backend runs twice: the GPT block with SP wrapped in activation checkpointing (the recompute
-re-runs the collectives), and `wrap_blocks(checkpoint=True, compile=True)` on a serial ViT, the
-trainer's path. Compiled blocks also run under CPU bf16 autocast (bf16 collectives on gloo).
-Running all four tp cases with inductor instead would cost much more: the first inductor compile of a
-process pays seconds of start-up, and both ranks compile at once (the figures: docs/measurements.md).
+Backends: the cases compile with backend="aot_eager" (dynamo + AOTAutograd: where graph breaks
+and the mappings' autograd.Functions are traced; inductor only generates kernels). Compiled blocks also
+run under CPU bf16 autocast (bf16 collectives on gloo). The default inductor backend runs where the
+trainer compiles, checkpointed blocks included (the recompute re-runs the collectives):
+`wrap_blocks(checkpoint=True, compile=True)` on a tp2 GPT with SP (tests/test_comm_compile.py: bytes and
+gradients of the eager step, one graph for both blocks) and serial models under `precision.compile=true`
+(tests/test_precision.py). Each inductor compile of a new graph pays seconds of g++ on a fresh machine
+(docs/measurements.md), so no case here repeats one of those.
 """
 
 from __future__ import annotations
@@ -30,14 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch._dynamo.utils import counters
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
 
-from distributed.block_wrappers import wrap_blocks
 from distributed.tensor.layers import TensorParallelLayer
 from distributed.tensor.parallelize import parallelize
 from networks.transformer import GPT, GPTConfig
@@ -51,12 +43,12 @@ pytestmark = pytest.mark.slow  # trains through the entry points or launches pro
 BATCH, SEQ, EMBED, HEADS = 2, 7, 32, 4
 
 
-def build_model(kind: str, depth: int = 1) -> nn.Module:
-    """A small ViT ('vit', bidirectional) or rotary GPT ('gpt', causal) on fixed seeded weights."""
+def build_model(kind: str) -> nn.Module:
+    """A small 1-block ViT ('vit', bidirectional) or rotary GPT ('gpt', causal) on fixed seeded weights."""
     torch.manual_seed(0)
     if kind == "vit":
-        return ViT(ViTConfig(embed_dim=EMBED, depth=depth, num_heads=HEADS, patch_size=4), (16, 32), 3, 3)
-    cfg = GPTConfig(embed_dim=EMBED, depth=depth, num_heads=HEADS, max_positions=16, positions="rotary")
+        return ViT(ViTConfig(embed_dim=EMBED, depth=1, num_heads=HEADS, patch_size=4), (16, 32), 3, 3)
+    cfg = GPTConfig(embed_dim=EMBED, depth=1, num_heads=HEADS, max_positions=16, positions="rotary")
     return GPT(cfg, vocab_size=50)
 
 
@@ -77,10 +69,9 @@ def assert_same_results(got, want) -> None:
         torch.testing.assert_close(grad, want[2][name], msg=lambda m: f"{name}: {m}")
 
 
-def compiled_results(block: nn.Module, params: dict[str, nn.Parameter], x: torch.Tensor, grad_out: torch.Tensor,
-                     backend: str = "aot_eager"):
+def compiled_results(block: nn.Module, params: dict[str, nn.Parameter], x: torch.Tensor, grad_out: torch.Tensor):
     """Results of `block` compiled with fullgraph=True; a second call must not recompile."""
-    counter = CompileCounterWithBackend(backend)
+    counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, backend=counter, fullgraph=True)
     results = forward_backward(compiled, params, x, grad_out)
     forward_backward(block, params, x, grad_out)  # eager mappings move the byte counters in between
@@ -108,32 +99,30 @@ def full_param_grads(block: nn.Module, grads: dict[str, torch.Tensor], axis: Axi
     return full
 
 
-def parallel_block(grid, kind: str, sp: bool, seq: int = SEQ):
+def parallel_block(grid, kind: str, sp: bool):
     """(parallel block, serial block, full input, full output gradient, local view) of a 1-block model."""
     axis = grid.axis("tp")
     serial_model = build_model(kind)
     model = parallelize(copy.deepcopy(serial_model), grid=grid, sequence_parallel=sp)
     if sp:
-        model.enter_seq.shards.enter(seq)  # what the model's entry records before its blocks run
-    x = torch.randn(BATCH, seq, EMBED, generator=torch.Generator().manual_seed(1))
-    g = torch.randn(BATCH, seq, EMBED, generator=torch.Generator().manual_seed(2))
+        model.enter_seq.shards.enter(SEQ)  # what the model's entry records before its blocks run
+    x = torch.randn(BATCH, SEQ, EMBED, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(BATCH, SEQ, EMBED, generator=torch.Generator().manual_seed(2))
     local = (lambda t: t.tensor_split(axis.size, dim=1)[axis.rank]) if sp else (lambda t: t)  # (B, N_local, D)
     return model.blocks[0], serial_model.blocks[0], x, g, local
 
 
-def check_block(grid, kind: str, sp: bool, checkpointed: bool = False, backend: str = "aot_eager",
-                seq: int = SEQ) -> None:
+def check_block(grid, kind: str, sp: bool) -> None:
     """Compiled parallel block == eager parallel block == serial block, in one graph."""
-    inner, serial, x, g, local = parallel_block(grid, kind, sp, seq)
-    params = dict(inner.named_parameters())
-    block = checkpoint_wrapper(inner, checkpoint_impl=CheckpointImpl.NO_REENTRANT) if checkpointed else inner
+    block, serial, x, g, local = parallel_block(grid, kind, sp)
+    params = dict(block.named_parameters())
     torch._dynamo.reset()
     eager = forward_backward(block, params, local(x), local(g))
-    assert_same_results(compiled_results(block, params, local(x), local(g), backend), eager)
+    assert_same_results(compiled_results(block, params, local(x), local(g)), eager)
     want = forward_backward(serial, dict(serial.named_parameters()), x, g)
     torch.testing.assert_close(eager[0], local(want[0]))
     torch.testing.assert_close(eager[1], local(want[1]))
-    assert_same_results((eager[0], eager[1], full_param_grads(inner, eager[2], grid.axis("tp"))),
+    assert_same_results((eager[0], eager[1], full_param_grads(block, eager[2], grid.axis("tp"))),
                         (eager[0], eager[1], want[2]))
 
 
@@ -153,31 +142,12 @@ def _tp_compile_checks(rank: int, world_size: int) -> None:
     for kind in ("vit", "gpt"):
         for sp in (False, True):
             check_block(grid, kind, sp)
-    check_block(grid, "gpt", sp=True, checkpointed=True, backend="inductor", seq=8)  # recompute re-runs collectives
     block, _, x, g, local = parallel_block(grid, "gpt", sp=True)
     check_autocast(block, local(x), local(g))  # bf16 collectives on gloo
 
 
 def test_compiled_tp_blocks_match_eager_without_graph_breaks(tmp_path):
     run_ranks(_tp_compile_checks, 2, tmp_path, timeout_s=180)
-
-
-def test_checkpoint_and_compile_match_eager():
-    """wrap_blocks(checkpoint, compile) on a serial ViT, default (inductor) backend: eager gradients."""
-    torch._dynamo.reset()
-    counters.clear()
-    eager = build_model("vit", depth=2)
-    wrapped = copy.deepcopy(eager)
-    wrap_blocks(wrapped, checkpoint=True, compile=True)
-    assert all(isinstance(b, CheckpointWrapper) for b in wrapped.blocks)
-    assert list(wrapped.state_dict()) == list(eager.state_dict())  # checkpoints load either way
-    x = torch.randn(BATCH, 3, 16, 32, generator=torch.Generator().manual_seed(1))
-    g = torch.randn(BATCH, 3, 16, 32, generator=torch.Generator().manual_seed(2))
-    want = forward_backward(eager, dict(eager.named_parameters()), x, g)
-    # the wrapper shows up in module paths (not in the state dict): compare by the plain names
-    params = {n.replace("._checkpoint_wrapped_module", ""): p for n, p in wrapped.named_parameters()}
-    assert_same_results(forward_backward(wrapped, params, x, g), want)
-    assert counters["stats"]["unique_graphs"] == 1  # both blocks reuse one graph, checkpoint included
 
 
 def test_compiled_block_under_bf16_autocast():

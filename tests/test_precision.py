@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from tests.helpers import NARROW, run_ranks
 from utils.cli.config import load_config
@@ -86,13 +88,22 @@ def test_fp16_inf_verdict_agrees_across_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["vit", "gpt"])
-def test_compiled_training_follows_eager(workload, workloads, tmp_path):
-    """precision.compile=true (each block compiled, inductor on CPU) trains like eager."""
+@pytest.mark.parametrize("workload,checkpointed", [("vit", True), ("gpt", False)])
+def test_compiled_training_follows_eager(workload, checkpointed, workloads, tmp_path):
+    """precision.compile=true (each block compiled, inductor on CPU) trains like eager, the ViT's blocks also
+    checkpointed (checkpoint inside compile, utils.engine.build's wrap_blocks): the wrapper keeps the state
+    dict's names (checkpoints load either way), and the two blocks share one graph, checkpoint included."""
     small = [*workloads[workload], "model.depth=2"]
-    eager = train_losses(make_trainer(tmp_path / "eager", *small), 3)
-    compiled = make_trainer(tmp_path / "compiled", *small, "precision.compile=true")
-    assert train_losses(compiled, 3) == pytest.approx(eager, rel=1e-4)
+    eager = make_trainer(tmp_path / "eager", *small)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = make_trainer(tmp_path / "compiled", *small, "precision.compile=true",
+                            f"trainer.activation_checkpointing={str(checkpointed).lower()}")
+    blocks = list(compiled.raw_model.blocks)
+    assert all(isinstance(b, CheckpointWrapper) == checkpointed for b in blocks) and len(blocks) == 2
+    assert list(compiled.raw_model.state_dict()) == list(eager.raw_model.state_dict())
+    assert train_losses(compiled, 3) == pytest.approx(train_losses(eager, 3), rel=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1  # both blocks, three steps: one graph
 
 
 def test_slow_or_idle_precision_is_announced_in_one_line(monkeypatch):
