@@ -3,7 +3,7 @@
 fp32 on CPU with dropout 0: the per-step training loss and gradient norm of dp, tp, cp (ring and
 all-gather attention, uneven patches), pp (every kind of schedule: GPipe, 1F1B, interleaved, the V-shaped
 zero bubble; tied embeddings across stages) and their products match the one-process run within relative
-1e-4 for 8 steps, for the ViT and for the language model. Runs go
+1e-4 for 6 steps, for the ViT and for the language model. Runs go
 through train.main on the ranks of the test pool (tests/rank_pool.py), as under torchrun, and once
 through torchrun itself; train_mp.py's start of the ranks is tested in tests/test_launch.py.
 """
@@ -28,7 +28,8 @@ from utils.tasks import build_task
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
-STEPS = 8  # long enough to resume from steps 5 to 7 and still train; the matrix (3 steps) covers the pairs
+STEPS = 6  # long enough to stop at STOP, resume and still train; the matrix (3 steps) covers the pairs
+STOP = 3  # the step the resume tests stop at (their checkpoint), three steps before the end
 LOW_PRECISION_REL = {"bf16": 8 * 2.0**-8}  # 8 unit roundoffs: a sense check; the matrix derives its bounds
 # one validation, at the end; sequence parallelism on under tp (the GPU default; the CPU default, off, is
 # test_vit_tp2_without_sequence_parallelism)
@@ -151,14 +152,14 @@ def test_vit_layouts_follow_the_single_process_curve(layout, vit_reference, era5
 
 def test_vit_pp2_zbv_dp2_resumes_stage_and_replica_checkpoints(vit_reference, era5_root):
     """pp2 x dp2 under the V schedule (rank 0 of each pipeline holds the first and last stage; one dp
-    reduction after the last microbatch) stops at step 5: the checkpoint holds every tensor of the
+    reduction after the last microbatch) stops at step STOP: the checkpoint holds every tensor of the
     single-process model once, under its global name, written by the stages' ranks; the resumed run
     restores every rank's RNG and follows the uninterrupted curve."""
     reference, tmp = vit_reference
     args = [f"data.root={era5_root}", "parallel=pp2", "parallel.pp_schedule=zbv", "parallel.dp=2",
             "trainer.ckpt_every=0"]
-    run_dir = run_layout(tmp, "pp2_zbv_dp2", VIT, *args, "trainer.stop_at_step=5")
-    saved = read_shapes(run_dir / "checkpoints" / "step_0000005")
+    run_dir = run_layout(tmp, "pp2_zbv_dp2", VIT, *args, f"trainer.stop_at_step={STOP}")
+    saved = read_shapes(run_dir / "checkpoints" / f"step_{STOP:07d}")
     assert {k for k in saved if k.startswith("model/")} == {f"model/{k}" for k in serial_shapes(VIT, era5_root)}
     assert {k.split("/")[1] for k in saved if k.startswith("rng/")} == {"0", "1", "2", "3"}
     run_layout(tmp, "pp2_zbv_dp2", VIT, *args)
@@ -171,19 +172,21 @@ def serial_shapes(workload, root) -> dict[str, tuple[int, ...]]:
 
 
 def resume_under(tmp, source, name, workload, *args, same_grid=False) -> tuple[list[float], list[float], list[float]]:
-    """The curves (steps 6-10, the final validation) of a run resumed from `source`'s step 5 checkpoint.
-    `same_grid`: the same ranks per axis (another dp mode), so every rank's RNG state is restored."""
-    step5 = source / "checkpoints" / "step_0000005"
-    run_dir = run_layout(tmp, name, workload, f"trainer.resume={step5}", *args)
-    assert ("random streams re-derived from (seed, step 5, rank)" in (run_dir / "train.log").read_text()) != same_grid
+    """The curves (the steps after STOP, the final validation) of a run resumed from `source`'s checkpoint of
+    step STOP. `same_grid`: the same ranks per axis (another dp mode), so every rank's RNG state is restored."""
+    stopped = source / "checkpoints" / f"step_{STOP:07d}"
+    run_dir = run_layout(tmp, name, workload, f"trainer.resume={stopped}", *args)
+    log = (run_dir / "train.log").read_text()
+    assert (f"random streams re-derived from (seed, step {STOP}, rank)" in log) != same_grid
     return curves(run_dir)
 
 
-def assert_follows_from_step_5(reference, resumed):
-    """The resumed run's steps 6.. and its final validation (val/loss, and val/bpb for a language model)."""
+def assert_follows_from_the_stop(reference, resumed):
+    """The resumed run's steps after STOP and its final validation (val/loss, and val/bpb for a language model)."""
     loss, norm, *final = resumed
-    assert len(loss) == len(norm) == STEPS - 5 and len(final) == len(reference) - 2
-    assert loss == pytest.approx(reference[0][5:], rel=1e-5) and norm == pytest.approx(reference[1][5:], rel=1e-5)
+    assert len(loss) == len(norm) == STEPS - STOP and len(final) == len(reference) - 2
+    assert loss == pytest.approx(reference[0][STOP:], rel=1e-5)
+    assert norm == pytest.approx(reference[1][STOP:], rel=1e-5)
     for got, want in zip(final, reference[2:]):
         assert len(got) == 1 and got == pytest.approx(want, rel=1e-5)
 
@@ -192,21 +195,21 @@ TP2DP2 = ["parallel=tp2", "parallel.dp=2", "parallel.sequence_parallel=null"]
 
 
 @pytest.fixture(scope="module")
-def vit_tp2dp2_step5(vit_reference, era5_root):
-    """tp2 x dp2 stopped at step 5 of 10 (its checkpoint: tp shards as DTensors, written once per replica)."""
+def vit_tp2dp2_stopped(vit_reference, era5_root):
+    """tp2 x dp2 stopped at step STOP of STEPS (its checkpoint: tp shards as DTensors, written once per replica)."""
     _, tmp = vit_reference
     # the CPU default (sequence parallelism off), which the planner predicts for gpu=cpu
-    return run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", *TP2DP2, "trainer.stop_at_step=5")
+    return run_layout(tmp, "tp2dp2_stopped", VIT, f"data.root={era5_root}", *TP2DP2, f"trainer.stop_at_step={STOP}")
 
 
-def test_planner_predicts_the_tp2dp2_run(vit_tp2dp2_step5, era5_root):
-    assert_planned(vit_tp2dp2_step5, [*VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2"], 4)
+def test_planner_predicts_the_tp2dp2_run(vit_tp2dp2_stopped, era5_root):
+    assert_planned(vit_tp2dp2_stopped, [*VIT, f"data.root={era5_root}", "parallel=tp2", "parallel.dp=2"], 4)
 
 
-def test_checkpoint_holds_the_single_process_shapes(vit_tp2dp2_step5, era5_root):
+def test_checkpoint_holds_the_single_process_shapes(vit_tp2dp2_stopped, era5_root):
     """The regression test for DCP's silent loss of plain tensor shards: every model tensor (and Adam
     moment) of a tp2 x dp2 checkpoint has its single-process global shape."""
-    saved = read_shapes(vit_tp2dp2_step5 / "checkpoints" / "step_0000005")
+    saved = read_shapes(vit_tp2dp2_stopped / "checkpoints" / f"step_{STOP:07d}")
     serial = serial_shapes(VIT, era5_root)
     assert {k: v for k, v in saved.items() if k.startswith("model/")} == {f"model/{k}": v for k, v in serial.items()}
     params = {k for k in serial if "weight" in k or "bias" in k or k == "pos_embed"}
@@ -223,24 +226,24 @@ RESUMED_UNDER = {"tp4": ["parallel=tp4"], "single": ["parallel=single"], "pp2": 
 
 
 @pytest.mark.parametrize("layout", ["tp2dp2", *RESUMED_UNDER])
-def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_step5, vit_reference, era5_root):
-    """Steps 6-10 after resuming the tp2 x dp2 (DDP) checkpoint of step 5 under the same layout (in its own
+def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_stopped, vit_reference, era5_root):
+    """The steps after resuming the tp2 x dp2 (DDP) checkpoint of step STOP under the same layout (in its own
     run directory, every rank's RNG restored), tp4, one process, pp2, and FSDP2 over dp, dp x tp, dp x cp
     and dp x pp (blocks sharded, the stages' ends replicated) follow the uninterrupted single-process curve
     (loss and gradient norm) within 1e-5. The FSDP runs' own final checkpoints hold the single-process shapes."""
     reference, tmp = vit_reference
     if layout == "tp2dp2":
-        run_layout(tmp, "tp2dp2_stop5", VIT, f"data.root={era5_root}", *TP2DP2)
-        loss, norm, val = curves(vit_tp2dp2_step5)
-        assert_follows_from_step_5(reference, (loss[5:], norm[5:], val))
+        run_layout(tmp, "tp2dp2_stopped", VIT, f"data.root={era5_root}", *TP2DP2)
+        loss, norm, val = curves(vit_tp2dp2_stopped)
+        assert_follows_from_the_stop(reference, (loss[STOP:], norm[STOP:], val))
         return
-    assert_follows_from_step_5(reference, resume_under(tmp, vit_tp2dp2_step5, f"from_tp2dp2_{layout}", VIT,
+    assert_follows_from_the_stop(reference, resume_under(tmp, vit_tp2dp2_stopped, f"from_tp2dp2_{layout}", VIT,
                                                        f"data.root={era5_root}", *RESUMED_UNDER[layout],
                                                        same_grid=layout == "fsdp_tp2dp2"))
     if layout.startswith("fsdp"):  # written after the last validation (with reshard_after_forward false too)
         saved = read_shapes(tmp / f"from_tp2dp2_{layout}" / "checkpoints" / f"step_{STEPS:07d}")
         assert {k: v for k, v in saved.items() if not k.startswith("rng/")} == \
-            {k: v for k, v in read_shapes(vit_tp2dp2_step5 / "checkpoints" / "step_0000005").items()
+            {k: v for k, v in read_shapes(vit_tp2dp2_stopped / "checkpoints" / f"step_{STOP:07d}").items()
              if not k.startswith("rng/")}
         assert {k: v for k, v in saved.items() if k.startswith("model/")} == \
             {f"model/{k}": v for k, v in serial_shapes(VIT, era5_root).items()}
@@ -267,7 +270,7 @@ def test_the_matrix_runs_the_vits_bf16_ring_and_fp16_pipeline():
 
 @pytest.mark.parametrize("mode,layout", [("bf16", ["parallel.dp=2", "parallel.dp_mode=fsdp"])])
 def test_mixed_precision_under_model_parallelism(mode, layout, era5_root, tmp_path):
-    """bf16 under FSDP2 over dp=2, 8 steps: every logged loss, gradient norm and validation loss finite (no inf,
+    """bf16 under FSDP2 over dp=2, 6 steps: every logged loss, gradient norm and validation loss finite (no inf,
     no NaN), the loss falling, and the whole curve within 8 unit roundoffs of the one-process run of the same
     precision. A batch of 3 per rank: validation's 31 samples make 6 batches on rank 0 and 5 on rank 1, so rank 1
     runs a padding forward (every FSDP forward gathers over dp: unequal counts would hang)."""
@@ -348,16 +351,16 @@ def test_llama_layouts_follow_the_single_process_curve(layout, llama_reference, 
 
 def test_gpt_uneven_splits_checkpoint_and_resume_under_pp(tmp_path, corpus_root):
     """tp=3: 6 heads, 96-wide, the padded vocabulary's 1472 rows split 491/491/490, through validation's generation.
-    Stopped at step 5, its checkpoint (the uneven vocabulary gathered whole) resumes under tp3 (sliced back)
+    Stopped at step STOP, its checkpoint (the uneven vocabulary gathered whole) resumes under tp3 (sliced back)
     and under pp2 (the tied embedding's two copies read the one saved tensor)."""
     uneven = [*GPT, f"data.root={corpus_root}", "model.embed_dim=96", "model.num_heads=6"]
     reference = curves(run_layout(tmp_path, "single", uneven))
-    tp3 = run_layout(tmp_path, "tp3", uneven, "parallel.tp=3", "trainer.stop_at_step=5")
-    saved = read_shapes(tp3 / "checkpoints" / "step_0000005")
+    tp3 = run_layout(tmp_path, "tp3", uneven, "parallel.tp=3", f"trainer.stop_at_step={STOP}")
+    saved = read_shapes(tp3 / "checkpoints" / f"step_{STOP:07d}")
     vocab = serial_shapes(uneven, corpus_root)["tok_embed.weight"]
     assert saved["model/tok_embed.weight"] == saved["optim/lm_head.weight/exp_avg"] == vocab and vocab[0] % 3
 
-    assert_follows_from_step_5(reference, resume_under(tmp_path, tp3, "tp3_to_pp2", uneven, "parallel=pp2"))
+    assert_follows_from_the_stop(reference, resume_under(tmp_path, tp3, "tp3_to_pp2", uneven, "parallel=pp2"))
     assert_same_curve(reference, curves(run_layout(tmp_path, "tp3", uneven, "parallel.tp=3")))
 
 
@@ -366,14 +369,14 @@ def test_dp2_corrupt_replica_file_falls_back_on_every_rank(vit_reference, era5_r
     newest file is truncated: both ranks (each reads from it) move to the previous checkpoint together, the
     warning names the file, and the run still follows the uninterrupted curve."""
     reference, tmp = vit_reference
-    args = ["parallel.dp=2", "trainer.ckpt_every=3", "trainer.ckpt_async=true"]
-    run_dir = run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args, "trainer.stop_at_step=7")
+    args = ["parallel.dp=2", "trainer.ckpt_every=2", "trainer.ckpt_async=true"]
+    run_dir = run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args, "trainer.stop_at_step=5")
     log = (run_dir / "train.log").read_text()
-    assert all(f"saved checkpoint {run_dir / 'checkpoints'}/step_000000{s} (in the background)" in log for s in (6, 7))
-    bad = run_dir / "checkpoints" / "step_0000007" / "__1_0.distcp"
+    assert all(f"saved checkpoint {run_dir / 'checkpoints'}/step_000000{s} (in the background)" in log for s in (4, 5))
+    bad = run_dir / "checkpoints" / "step_0000005" / "__1_0.distcp"
     bad.write_bytes(bad.read_bytes()[:64])
     run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args)
     log = (run_dir / "train.log").read_text()  # both runs' lines
     assert f"unreadable checkpoint {bad.parent} (truncated: __1_0.distcp (64 of " in log
-    assert "resumed from" in log and "step_0000006 at step 6" in log
+    assert "resumed from" in log and "step_0000004 at step 4" in log
     assert_same_curve(reference, curves(run_dir))
