@@ -237,9 +237,9 @@ def test_vit_tp2dp2_checkpoint_resumes_under_any_layout(layout, vit_tp2dp2_stopp
         loss, norm, val = curves(vit_tp2dp2_stopped)
         assert_follows_from_the_stop(reference, (loss[STOP:], norm[STOP:], val))
         return
-    assert_follows_from_the_stop(reference, resume_under(tmp, vit_tp2dp2_stopped, f"from_tp2dp2_{layout}", VIT,
-                                                       f"data.root={era5_root}", *RESUMED_UNDER[layout],
-                                                       same_grid=layout == "fsdp_tp2dp2"))
+    resumed = resume_under(tmp, vit_tp2dp2_stopped, f"from_tp2dp2_{layout}", VIT, f"data.root={era5_root}",
+                           *RESUMED_UNDER[layout], same_grid=layout == "fsdp_tp2dp2")
+    assert_follows_from_the_stop(reference, resumed)
     if layout.startswith("fsdp"):  # written after the last validation (with reshard_after_forward false too)
         saved = read_shapes(tmp / f"from_tp2dp2_{layout}" / "checkpoints" / f"step_{STEPS:07d}")
         assert {k: v for k, v in saved.items() if not k.startswith("rng/")} == \
@@ -369,14 +369,16 @@ def test_dp2_corrupt_replica_file_falls_back_on_every_rank(vit_reference, era5_r
     newest file is truncated: both ranks (each reads from it) move to the previous checkpoint together, the
     warning names the file, and the run still follows the uninterrupted curve."""
     reference, tmp = vit_reference
-    args = ["parallel.dp=2", "trainer.ckpt_every=2", "trainer.ckpt_async=true"]
-    run_dir = run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args, "trainer.stop_at_step=5")
+    previous, last = STEPS - 2, STEPS - 1  # a checkpoint every STEPS - 2 steps, then the one of the stop
+    args = ["parallel.dp=2", f"trainer.ckpt_every={previous}", "trainer.ckpt_async=true"]
+    run_dir = run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args, f"trainer.stop_at_step={last}")
     log = (run_dir / "train.log").read_text()
-    assert all(f"saved checkpoint {run_dir / 'checkpoints'}/step_000000{s} (in the background)" in log for s in (4, 5))
-    bad = run_dir / "checkpoints" / "step_0000005" / "__1_0.distcp"
+    assert all(f"saved checkpoint {run_dir / 'checkpoints'}/step_{s:07d} (in the background)" in log
+               for s in (previous, last))
+    bad = run_dir / "checkpoints" / f"step_{last:07d}" / "__1_0.distcp"
     bad.write_bytes(bad.read_bytes()[:64])
     run_layout(tmp, "dp2_corrupt", VIT, f"data.root={era5_root}", *args)
     log = (run_dir / "train.log").read_text()  # both runs' lines
     assert f"unreadable checkpoint {bad.parent} (truncated: __1_0.distcp (64 of " in log
-    assert "resumed from" in log and "step_0000004 at step 4" in log
+    assert "resumed from" in log and f"step_{previous:07d} at step {previous}" in log
     assert_same_curve(reference, curves(run_dir))
