@@ -106,12 +106,28 @@ gloo_ifname() {
     return 0
 }
 
+# A rendezvous port per job, below the kernel's ephemeral range: the ports the kernel hands out for outgoing
+# connections and for gloo's and NCCL's own listeners (bound to port 0) come from that range, so a store port
+# inside it can be taken by another job on the node (EADDRINUSE: CI, job 952826, port 32826).
+rendezvous_port() {
+    local low=32768 high=60999 range=${PORT_RANGE_FILE:-/proc/sys/net/ipv4/ip_local_port_range}  # (tests set it)
+    [ -r "$range" ] && read -r low high < "$range"
+    if (( low > 16000 )); then
+        echo $(( 15000 + SLURM_JOB_ID % (low - 15000) ))
+    elif (( high < 65535 )); then  # an ephemeral range from low ports up: above it
+        echo $(( high + 1 + SLURM_JOB_ID % (65535 - high) ))
+    else
+        echo $(( 15000 + SLURM_JOB_ID % 20000 ))  # the kernel may hand out any port: no safe choice
+    fi
+}
+
 # The environment every rank inherits through srun.
 export_environment() {
     # the rendezvous: the first node of the job, a port per job (jobs sharing a node never meet on one port)
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     export MASTER_ADDR
-    export MASTER_PORT=${MASTER_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}
+    MASTER_PORT=${MASTER_PORT:-$(rendezvous_port)}
+    export MASTER_PORT
     # gloo across nodes on NCCL's interface (a setting of the user's own is kept)
     GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$(gloo_ifname)}
     [ -n "$GLOO_SOCKET_IFNAME" ] && export GLOO_SOCKET_IFNAME

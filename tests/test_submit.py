@@ -35,6 +35,7 @@ from utils.checkpoints.run_dir import read_layout
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
 SUBMIT = ROOT / "submit"
+EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])  # Linux only
 TINY = ["trainer.max_steps=2", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
         "trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
 
@@ -158,13 +159,18 @@ def standin(tmp_path) -> Path:
     return make_standin(tmp_path)
 
 
+def rendezvous_port(job_id: int) -> int:
+    """submit/common.sh's port for a job on this machine: 15000 + id modulo the ports below the ephemeral range."""
+    return 15000 + job_id % (EPHEMERAL_LOW - 15000)
+
+
 def free_job_id() -> int:
-    """A job id whose rendezvous port (20000 + id % 20000, below the ephemeral range) is free now."""
+    """A job id whose rendezvous port is free now."""
     while True:
-        job_id = random.randrange(1000, 12000) + 20000 * random.randrange(1, 50)
+        job_id = random.randrange(1000, 10**6)
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", 20000 + job_id % 20000))
+                s.bind(("127.0.0.1", rendezvous_port(job_id)))
                 return job_id
             except OSError:
                 continue
@@ -263,7 +269,7 @@ def assert_one_srun_call(calls: list[dict], layout: list[str], nodes: int, per_n
     assert call["opts"]["--kill-on-bad-exit"] == "1" and "-u" in call["opts"]
     command = call["command"]  # the ranks run `python train.py <script defaults> <overrides>`
     assert command[command.index("train.py") - 1] == "python" and command[len(command) - len(layout):] == layout
-    assert call["env"] == {"MASTER_ADDR": "localhost", "MASTER_PORT": str(20000 + job_id % 20000),
+    assert call["env"] == {"MASTER_ADDR": "localhost", "MASTER_PORT": str(rendezvous_port(job_id)),
                            "OMP_NUM_THREADS": "1", "HDF5_USE_FILE_LOCKING": "FALSE", "NVIDIA_TF32_OVERRIDE": None}
 
 
@@ -300,9 +306,24 @@ def test_one_rank_per_gpu_else_the_tasks_slurm_gives(standin):
 def test_each_job_gets_its_own_rendezvous_port(standin):
     show = "export_environment && echo $MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS $HDF5_USE_FILE_LOCKING"
     job = {"SLURM_JOB_NODELIST": "nid[001-002]", "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "8"}
-    assert bash_with_helper(standin, show, SLURM_JOB_ID="1234", **job) == "localhost 21234 8 FALSE"
-    assert bash_with_helper(standin, show, SLURM_JOB_ID="41235", **job) == "localhost 21235 8 FALSE"
+    assert bash_with_helper(standin, show, SLURM_JOB_ID="1234", **job) == "localhost 16234 8 FALSE"
     assert bash_with_helper(standin, show, SLURM_JOB_ID="1234", MASTER_PORT="29999", **job).split()[1] == "29999"
+    ports = {int(bash_with_helper(standin, "rendezvous_port", SLURM_JOB_ID=str(job_id)))
+             for job_id in range(952820, 952830)}  # 952826 took 32826 in CI: gloo of a job beside it had it
+    assert len(ports) == 10 and max(ports) < EPHEMERAL_LOW, ports
+
+
+def test_the_rendezvous_port_stays_out_of_the_kernels_ephemeral_range(standin, tmp_path):
+    """The kernel hands its ephemeral ports to outgoing connections and to listeners on port 0 (gloo, NCCL): a
+    store port among them can be taken. Below the range when it starts high, above it when it starts low."""
+    range_file = tmp_path / "ip_local_port_range"
+    for low, high, job_id, expected in [(32768, 60999, 952826, 15000 + 952826 % 17768),
+                                        (20000, 60999, 7, 15007),
+                                        (1024, 40000, 952826, 40001 + 952826 % 25535)]:
+        range_file.write_text(f"{low}\t{high}\n")
+        port = int(bash_with_helper(standin, "rendezvous_port", SLURM_JOB_ID=str(job_id),
+                                    PORT_RANGE_FILE=str(range_file)))
+        assert port == expected and not low <= port <= high, (low, high, port)
 
 
 def test_a_layout_the_allocation_cannot_hold_stops_before_any_rank_starts(standin, tmp_path):
