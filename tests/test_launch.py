@@ -3,6 +3,7 @@ stop signals reach every rank and no rank outlives its launcher."""
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -57,6 +58,37 @@ def test_a_rank_whose_partner_failed_its_checks_does_not_hang(tmp_path, era5_roo
                           text=True, timeout=120)
     assert good.returncode == 2 and "(parallel.init_timeout_s)" in good.stderr, good.stderr[-2000:]
     assert len(good.stderr.strip().splitlines()) == 1 and time.time() - start < 60
+
+
+def test_the_local_rendezvous_port_is_below_the_ephemeral_range(tmp_path, monkeypatch):
+    """The kernel gives ports of its ephemeral range to listeners on port 0 and outgoing connections (another
+    job's gloo): free_port picks below it, at random (not from the global generator a seeded run repeats), a
+    port nothing listens on, and the kernel's own choice where too few ports lie below the range."""
+    import random
+
+    import utils.cli.launch as launch
+
+    low = int(launch.EPHEMERAL_RANGE.read_text().split()[0])
+    runs = []
+    for _ in range(2):  # two seeded processes (two pooled ranks, two launchers seeded alike) part ways
+        random.seed(0)
+        runs.append([free_port() for _ in range(10)])
+    assert runs[0] != runs[1] and all(launch.LOWEST_PORT <= port < low for port in runs[0] + runs[1]), (low, runs)
+    narrow = tmp_path / "range"
+    narrow.write_text(f"{launch.LOWEST_PORT + 100}\t60999\n")
+    assert free_port(narrow) >= low  # the kernel's choice: from its own range
+    with socket.socket() as taken:  # a port something listens on is passed over
+        busy = free_port()
+        taken.bind(("", busy))
+        taken.listen()
+        picks = iter([busy, busy + 1 if busy + 1 < low else busy - 1])
+
+        class Picks:
+            def randrange(self, start: int, stop: int) -> int:
+                return next(picks)
+
+        monkeypatch.setattr(launch.random, "SystemRandom", Picks)
+        assert free_port() != busy
 
 
 def test_launch_environments():
