@@ -133,3 +133,21 @@ def _check_concepts(rank: int, world_size: int) -> None:
 
 def test_init_grid_concepts_are_the_groups_their_rules_name(tmp_path):
     run_ranks(_check_concepts, 4, tmp_path)
+
+
+def test_a_taken_rendezvous_port_is_one_line_naming_master_port(monkeypatch):
+    """Rank 0's store cannot listen on a port another process holds (EADDRINUSE: CI's real-Slurm tier once, a
+    job beside it on the port): one line naming MASTER_PORT and the fix, not torch's C++ traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        launch = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        for name, value in launch.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(ConfigError) as info:
+            init_grid(ParallelConfig(dp=2, init_timeout_s=5))
+    assert info.value.setting == "MASTER_PORT" and f"port {port} is in use" in info.value.what, info.value
+    assert not dist.is_initialized()

@@ -285,6 +285,13 @@ def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid
             raise ConfigError(f"not all {env.world_size} ranks joined within {cfg.init_timeout_s} s ({err})",
                               "parallel.init_timeout_s", "check the other ranks' output: a rank that fails its "
                               "checks exits before joining") from None
+        except dist.DistNetworkError as err:
+            if "EADDRINUSE" not in str(err):
+                raise
+            raise ConfigError(f"the rendezvous port {os.environ.get('MASTER_PORT')} is in use on this node by "
+                              "another process", "MASTER_PORT", "choose a free port below the kernel's ephemeral "
+                              "range (/proc/sys/net/ipv4/ip_local_port_range), or unset it where the submit scripts "
+                              "or train_mp.py choose one") from None
     grid = Grid(sizes, order, env.rank, device, build_mesh(sizes, order, device))
     for axes in GROUPS_BUILT_AT_START:
         grid.axis(*axes)  # creating a group is collective: every rank, same order, at start
