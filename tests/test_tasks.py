@@ -26,7 +26,7 @@ class Persistence(nn.Module):
 class Recorder:
     """Stands for the TensorBoard writer."""
 
-    active = True
+    draws_images = True
 
     def __init__(self):
         self.images: dict[str, torch.Tensor] = {}
@@ -64,3 +64,8 @@ def test_weather_validation_reports_latitude_weighted_rmse(era5_root):
     losses = [RelativeL2Loss()(torch.from_numpy(x)[None], torch.from_numpy(y)[None]).item() for x, y in pairs]
     assert math.isclose(metrics["val/loss"], np.mean(losses), rel_tol=1e-5)
     assert writer.images["val/u10m_pred_vs_target"].shape[0] == 3
+    quiet = Recorder()  # trainer.log_images=false (utils/engine/logger.py TensorBoard.draws_images): no figure
+    quiet.draws_images = False
+    again = task.evaluate(Persistence(), RelativeL2Loss(), loaders.val, grid=Grid.serial(),
+                          autocast=contextlib.nullcontext, writer=quiet, step=1)
+    assert again == metrics and not quiet.images

@@ -74,6 +74,15 @@ def test_validation_at_step_0_and_at_the_end(vit_run):
     assert [e.step for e in acc.Images("val/u10m_pred_vs_target")] == [0, STEPS]
 
 
+def test_no_figures_with_log_images_false(tmp_path, era5_root):
+    """trainer.log_images=false: the same validations, no image (no matplotlib figure drawn)."""
+    trainer = make_trainer(tmp_path / "quiet", f"data.root={era5_root}", "data.limit_nsamples_val=2", *SHORT,
+                           "trainer.max_steps=1", "trainer.log_images=false")
+    assert trainer.fit() == 0
+    acc = events(tmp_path / "quiet")
+    assert [e.step for e in acc.Scalars("val/loss")] == [0, 1] and acc.Tags()["images"] == []
+
+
 def test_config_as_text_and_hparams(vit_run):
     acc = events(vit_run)
     [(step, config)] = texts(acc, "config")

@@ -155,6 +155,8 @@ class TrainerConfig:
     profile: bool = False  # torch.profiler trace and top-operator table of profile_steps (utils/engine/profiling.py)
     profile_steps: list[int] = field(default_factory=lambda: [3, 5])  # [start, end], steps counted from 1
     profile_memory: bool = False  # CUDA allocator history, written at the end step and on out-of-memory
+    log_images: bool = True  # the validation and rollout figures as TensorBoard images (matplotlib, rank 0;
+    # each figure costs CPU time on the host at every validation); false: scalars and text only
     fingerprint_steps: int = 0  # first steps whose per-parameter gradient and update statistics go to
     # run.dir/fingerprints.json, for `python -m utils.compare --diverge` (utils/engine/fingerprints.py); 0 = off
 

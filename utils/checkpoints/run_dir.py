@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # Settings a run may change between invocations without changing what it trains.
 RESUME_SAFE = ("run.", "trainer.stop_at_step", "trainer.resume", "trainer.log_every",
-               "trainer.val_every", "trainer.val_at_start",
+               "trainer.val_every", "trainer.val_at_start", "trainer.log_images",
                "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.num_workers", "trainer.worker_start",
                "trainer.preempt_deadline_s", "trainer.hang_timeout_s", "trainer.profile", "precision.compile",
                "trainer.activation_checkpointing", "trainer.ckpt_async", "trainer.grad_accum_steps", "data.root",

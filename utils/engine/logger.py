@@ -116,8 +116,8 @@ def hparam_values(flat: dict[str, object]) -> dict[str, int | float | str]:
 class TensorBoard:
     """One TensorBoard event stream per run (rank 0 only)."""
 
-    def __init__(self, run_dir: Path, is_main: bool, start_step: int = 0):
-        self.run_dir, self.is_main, self.start_step = run_dir, is_main, start_step
+    def __init__(self, run_dir: Path, is_main: bool, start_step: int = 0, images: bool = True):
+        self.run_dir, self.is_main, self.start_step, self.images = run_dir, is_main, start_step, images
         self._writer = None
         self._session_end = None  # HParams' end-of-session summary, written by close(finished=True)
 
@@ -135,9 +135,9 @@ class TensorBoard:
         return self._writer
 
     @property
-    def active(self) -> bool:
-        """Whether this rank writes (rank 0): others need not compute what they would write."""
-        return self.is_main
+    def draws_images(self) -> bool:
+        """Whether this rank draws the figures (rank 0, unless trainer.log_images=false): others need not."""
+        return self.is_main and self.images
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self.writer:

@@ -50,7 +50,7 @@ class Trainer:
         self.autocast = partial(autocast, cfg.precision.mode, self.device)
         self.batch = grid.batch  # the loss is averaged over the ranks that split the batch
         self.checkpointer = checkpointer
-        self.tb = TensorBoard(run_dir, grid.is_main)
+        self.tb = TensorBoard(run_dir, grid.is_main, images=self.tc.log_images)
         self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
         self.flops_per_sample = built.flops_per_sample
         self.skipped_steps, self.consecutive_skips = 0, 0  # trainer.nonfinite=skip
@@ -110,7 +110,7 @@ class Trainer:
             seed_default_stream(self.tc.seed, self.grid, step)
             self.log.info(f"the checkpoint was written by the layout '{meta.get('layout')}': random streams "
                           f"re-derived from (seed, step {step}, rank) for '{self.grid.signature}'")
-        self.tb = TensorBoard(self.run_dir, self.grid.is_main, self.step)  # purges what a crashed run wrote after
+        self.tb = TensorBoard(self.run_dir, self.grid.is_main, self.step, self.tc.log_images)  # purges later events
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (global-batch mean loss, global gradient norm) as device tensors, read by nothing here:

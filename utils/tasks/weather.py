@@ -225,7 +225,7 @@ class WeatherTask:
         count = sums[1].clamp_min(1)
         metrics = {"val/loss": (sums[0] / count).item()}
         metrics.update({f"val/rmse/{c}": (sums[2 + i] / count).item() for i, c in enumerate(self.channels)})
-        if first is not None and batch.rank == 0 and writer.active:  # rank 0 alone draws and writes the figure
+        if first is not None and batch.rank == 0 and writer.draws_images:  # rank 0 alone draws the figure
             channel = self.channels[0]
             writer.image(f"val/{channel}_pred_vs_target", figure_image(field_panels(*first, channel, step)), step)
         return metrics
@@ -250,7 +250,7 @@ class WeatherTask:
             writer.scalars({tag: value for name in skill if name != "model"
                             for tag, value in self._scalars(f"baseline/{name}", skill[name]).items()}, step)
             self.baseline_curves = {name: skill[name] for name in skill if name != "model"}
-        if grid.batch.rank == 0 and writer.active:
+        if grid.batch.rank == 0 and writer.draws_images:
             self._draw_rollout(writer, skill["model"], (spectral["forecast"], spectral["truth"], blur), step)
         return metrics
 
