@@ -1,7 +1,8 @@
 """What the tests share: the repository root, the tiny workloads spelled once, runners for the entry points,
 readers of a run's TensorBoard events, and multi-rank functions on the rank pool.
 
-Workloads: `QUIET` (no validation but the last, no checkpoint but the last, no data worker processes) and
+Workloads: `QUIET` (no validation but the last, no checkpoint but the last, no data worker processes, no
+figure: tests/test_tensorboard.py, test_tasks.py, test_train_e2e.py and test_forecast.py check them) and
 `TINY_GPT` (the tiny language model on the sample corpus), which test files extend with what they vary;
 `make_tokenizer` saves a tiny pretrained-style tokenizer folder (tokenizer.json) trained on the sample corpus.
 
@@ -35,7 +36,8 @@ import torch.multiprocessing as mp
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 ROOT = Path(__file__).resolve().parent.parent
-QUIET = ["trainer.val_every=0", "trainer.val_at_start=false", "trainer.ckpt_every=0", "trainer.num_workers=0"]
+QUIET = ["trainer.val_every=0", "trainer.val_at_start=false", "trainer.ckpt_every=0", "trainer.num_workers=0",
+         "trainer.log_images=false"]
 # 64 wide (head dim 16) instead of the tiny configs' 128: every tp/cp split stays whole, and bf16/fp16 matmuls,
 # which CPUs without AVX-512 run at a tenth of fp32's speed, cost a quarter
 NARROW = ["model.embed_dim=64"]

@@ -20,7 +20,7 @@ from tests.rank_pool import run_entry_ranks
 from utils.compare.report import layout_of, main, read_curves
 
 TINY = ["trainer.max_steps=4", "trainer.val_every=2", "trainer.log_every=2", "trainer.ckpt_every=0",
-        "trainer.num_workers=0", "trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
+        "trainer.num_workers=0", "trainer.global_batch_size=8", "data.limit_nsamples_val=8", "trainer.log_images=false"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["loss_vs_step.png", "loss_vs_time.png", "throughput.png"]
 

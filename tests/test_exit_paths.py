@@ -24,7 +24,7 @@ from utils.signals import SIGNALS
 
 # A few-second run: 2 blocks of a 32-wide ViT, batches of 4, 8 validation pairs; default data workers
 TINY = ["model.depth=2", "model.embed_dim=32", "trainer.global_batch_size=4", "data.limit_nsamples_val=8",
-        "trainer.log_every=1", "trainer.val_at_start=false"]
+        "trainer.log_every=1", "trainer.val_at_start=false", "trainer.log_images=false"]
 MARKER = "DLSCALE_TEST_JOB"
 # Beside a 4-rank matrix case on 2 cores a job's data workers start in a minute, not seconds (the figures:
 # docs/measurements.md): waits are bounded, not tight.

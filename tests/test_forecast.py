@@ -82,7 +82,8 @@ def _rollout_scalars(run_dir) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def single(era5_root, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("forecast") / "single"
-    results = run_entry_ranks([*ROLLOUT, f"data.root={era5_root}", f"run.dir={run_dir}"], 1)
+    results = run_entry_ranks([*ROLLOUT, "trainer.log_images=true", f"data.root={era5_root}", f"run.dir={run_dir}"],
+                              1)  # the figures too (QUIET leaves them out)
     assert [r.value for r in results] == [0], results[0].error or results[0].stderr[-2000:]
     return run_dir
 

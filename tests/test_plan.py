@@ -24,7 +24,8 @@ from utils.plan.cost_model import link_gbs, main, plan_layout, table
 from utils.plan.options import GPUS, PCIE_GBS, Hardware, parse_args
 
 TINY = ["trainer.global_batch_size=8"]
-RUN = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]
+RUN = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
+       "trainer.log_images=false"]
 
 
 def report_of(plan) -> str:

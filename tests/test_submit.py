@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow  # trains through the entry points or launches pro
 SUBMIT = ROOT / "submit"
 EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])  # Linux only
 TINY = ["trainer.max_steps=2", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
-        "trainer.global_batch_size=8", "data.limit_nsamples_val=8"]
+        "trainer.global_batch_size=8", "data.limit_nsamples_val=8", "trainer.log_images=false"]
 
 # script, overrides that scale its layout down, nodes, tasks per node (-> world size)
 STRATEGIES = [

@@ -21,7 +21,7 @@ from utils.cli.hydra_app import SUBMITIT_MAX_NUM_TIMEOUT, is_hydra_command, with
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
 TINY = ["trainer.max_steps=1", "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0",
-        "trainer.global_batch_size=4", "model.depth=1", "data.limit_nsamples_val=8"]
+        "trainer.global_batch_size=4", "model.depth=1", "data.limit_nsamples_val=8", "trainer.log_images=false"]
 
 
 def train(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow  # trains through the entry points or launches pro
 # One data worker, forked (the fastest start; the default forkserver start costs seconds per launch and
 # is exercised where it matters: the job-wide SIGUSR1 below and tests/test_launch.py).
 TINY = ["trainer.log_every=10", "trainer.num_workers=1", "trainer.worker_start=fork", "trainer.global_batch_size=8",
-        "data.limit_nsamples_val=8"]
+        "data.limit_nsamples_val=8", "trainer.log_images=false"]  # the first test draws the figures
 
 
 def train(tmp_path, era5_root, name, *args):
@@ -21,7 +21,8 @@ def train(tmp_path, era5_root, name, *args):
 
 def test_trains_logs_and_resumes_exactly(tmp_path, era5_root):
     # dropout on: the resumed run must restore the RNG stream exactly; stop at a validation step
-    common = ["trainer.max_steps=40", "trainer.val_every=20", "trainer.ckpt_every=0", "model.dropout=0.1"]
+    common = ["trainer.max_steps=40", "trainer.val_every=20", "trainer.ckpt_every=0", "model.dropout=0.1",
+              "trainer.log_images=true"]
     full, proc = train(tmp_path, era5_root, "full", *common)
     scalars = read_scalars(full)
     for tag in ("train/loss", "train/lr", "train/grad_norm", "val/loss", "val/rmse/u10m", "val/rmse/tcwv",
