@@ -324,6 +324,8 @@ def test_the_rendezvous_port_stays_out_of_the_kernels_ephemeral_range(standin, t
         port = int(bash_with_helper(standin, "rendezvous_port", SLURM_JOB_ID=str(job_id),
                                     PORT_RANGE_FILE=str(range_file)))
         assert port == expected and not low <= port <= high, (low, high, port)
+    range_file.write_text("1024\t65535\n")  # every port ephemeral: no safe choice, still one per job
+    assert bash_with_helper(standin, "rendezvous_port", SLURM_JOB_ID="7", PORT_RANGE_FILE=str(range_file)) == "15007"
 
 
 def test_a_layout_the_allocation_cannot_hold_stops_before_any_rank_starts(standin, tmp_path):
