@@ -10,9 +10,10 @@ import sys
 
 if __name__ == "__main__":  # the standard library only: no torch yet
     from utils.engine.preemption import inherit_early_stop, record_stop_signals
-    from utils.startup import pause_collector
+    from utils.startup import pause_collector, report_fatal_signals
 
     pause_collector()  # until the imports are done (utils/startup.py)
+    report_fatal_signals()  # a rank killed by a C++ abort or a segfault says where its Python was
 
     record_stop_signals()  # a stop signal from here on ends the run with a checkpoint and 75, not a kill
     inherit_early_stop()  # and one the launcher (train_mp.py) received before it started this rank

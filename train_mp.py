@@ -15,9 +15,10 @@ import sys
 
 if __name__ == "__main__":  # the standard library only: no torch yet
     from utils.engine.preemption import record_stop_signals
-    from utils.startup import pause_collector
+    from utils.startup import pause_collector, report_fatal_signals
 
     pause_collector()  # until the imports are done (utils/startup.py)
+    report_fatal_signals()  # a rank killed by a C++ abort or a segfault says where its Python was
 
     record_stop_signals()  # a stop signal before the ranks start reaches them once they do
 from utils.cli.local_launch import launch_main as main  # noqa: E402 - after the signals are recorded

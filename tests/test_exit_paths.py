@@ -161,6 +161,23 @@ def test_a_killed_rank_ends_its_data_workers_and_forkserver(tmp_path, era5_root,
     assert not left_after(job.marker, 5)
 
 
+def test_a_rank_that_aborts_prints_where_its_python_was(tmp_path, era5_root, jobs):
+    """SIGABRT to the main thread in the loop, as a std::terminate in that thread raises it: before dying the
+    rank prints that thread's Python stack (the job's log says where), and its status stays the abort's."""
+    import ctypes
+
+    def abort_main_thread():  # tgkill: the main thread's id is the process id
+        ctypes.CDLL(None, use_errno=True).tgkill(job.proc.pid, job.proc.pid, signal.SIGABRT)
+
+    jobs.append(job := Job([f"data.root={era5_root}", f"run.dir={tmp_path}", *TINY, "trainer.max_steps=500",
+                            "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]))
+    job.on_line("step 2/", abort_main_thread)
+    assert job.wait(120) == -signal.SIGABRT, job.output[-3000:]
+    dump = job.output.split("Fatal Python error: Aborted", 1)
+    assert len(dump) == 2, job.output[-3000:]
+    assert f'File "{ROOT / "utils" / "engine" / "trainer.py"}"' in dump[1], dump[1][-3000:]  # the loop's frames
+
+
 def test_a_killed_data_worker_ends_the_run(tmp_path, era5_root, jobs):
     """SIGKILL one data worker: the rank fails at its next batch and exits, with no process left (before: it
     raised "DataLoader worker exited unexpectedly", then waited forever for its other workers)."""

@@ -11,10 +11,17 @@ pays it. The garbage the imports leave (about 9,000 objects) stays frozen with t
 
 Only scripts pause: `train.main(argv)` or a tool's `main` called inside another program leaves that
 program's collector as it is (`imports_done` does nothing unless `pause_collector` ran in this process).
+
+`report_fatal_signals()`, also a script's first lines: a process killed by a fatal signal (a C++ abort such as
+std::terminate, a segmentation fault) prints the Python stack of the thread that raised it to stderr before it
+dies (`<no Python frame>`: a thread of C++ only, such as gloo's), so a rank that dies in a library's C++ says
+in the job's log where its Python was; its exit status stays the signal's. Only that thread: walking the
+others' stacks while they run (faulthandler's default) crashed the dump itself in 2 of 10 tries here.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 
 _paused = False  # pause_collector ran and imports_done has not
@@ -35,3 +42,9 @@ def imports_done() -> None:
         gc.freeze()
         gc.enable()
         _paused = False
+
+
+def report_fatal_signals() -> None:
+    """On SIGSEGV, SIGFPE, SIGABRT, SIGBUS or SIGILL, dump the signalled thread's Python stack to stderr first."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=False)
