@@ -178,6 +178,32 @@ def test_a_rank_that_aborts_prints_where_its_python_was(tmp_path, era5_root, job
     assert f'File "{ROOT / "utils" / "engine" / "trainer.py"}"' in dump[1], dump[1][-3000:]  # the loop's frames
 
 
+def _gloo_threads_after(rank: int, world: int, argv: list[str]) -> tuple[int, list[str]]:
+    """A rank's `train.main(argv)`: its exit status and the gloo threads its process has left afterwards."""
+    from tests.rank_pool import _entry
+
+    status = _entry(rank, world, argv)
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return status, [name for name in names if "gloo" in name]
+
+
+def test_a_finished_run_has_freed_its_process_groups(tmp_path, era5_root):
+    """After train.main returns, no gloo thread is left in a pp2 rank: the process groups are freed while
+    the interpreter is whole, not during its finalization (where one rank aborted once at exit)."""
+    from tests.rank_pool import pool
+
+    argv = [f"data.root={era5_root}", f"run.dir={tmp_path}", "parallel.pp=2", *TINY, "trainer.max_steps=2",
+            "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]
+    results = pool().run(_gloo_threads_after, 2, argv, timeout_s=180)
+    assert [r.error for r in results] == [None, None], next(r.error for r in results if r.error)
+    assert [r.value for r in results] == [(0, []), (0, [])]
+
+
 def test_a_killed_data_worker_ends_the_run(tmp_path, era5_root, jobs):
     """SIGKILL one data worker: the rank fails at its next batch and exits, with no process left (before: it
     raised "DataLoader worker exited unexpectedly", then waited forever for its other workers)."""
