@@ -8,7 +8,7 @@ a picklable value per rank. `run_entry_ranks(argv, world)` runs the real entry p
 on every rank, with each rank's stdout and stderr caught (the trainer's log lines, a refusal's one line);
 the test process composes the command line once for all of them (Hydra's compose, the same function).
 
-What a case may leave behind is undone before the next: the process group is destroyed, the logging
+What a case may leave behind is undone before the next: the process group is destroyed and freed, the logging
 handlers closed, the stop-signal handlers and the environment restored, torch's default dtype, grad mode
 and seeds reset. A case that fails on one rank while the others wait in a collective, that dies or that
 runs past its deadline replaces every process of the pool (the others' state is unknown): nothing waits.
@@ -55,10 +55,9 @@ class RankResult:
 def _reset_process_state() -> None:
     """Undo what a case may leave in this process (see the module docstring)."""
     import torch
-    import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from utils.comm import destroy_grid
+
     for name in ("dlscale", "dlscale.file"):
         logger = logging.getLogger(name)
         for handler in logger.handlers:
@@ -71,6 +70,7 @@ def _reset_process_state() -> None:
     torch.set_grad_enabled(True)
     torch.manual_seed(0)
     torch._dynamo.reset()  # compiled graphs of a case hold its modules and groups
+    destroy_grid()  # and the groups are freed with their threads, not at some later case's collection
 
 
 def _die_with(pid: int) -> None:
