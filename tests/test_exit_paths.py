@@ -180,8 +180,11 @@ def test_a_rank_that_aborts_prints_where_its_python_was(tmp_path, era5_root, job
 
 def _gloo_threads_after(rank: int, world: int, argv: list[str]) -> tuple[int, list[str]]:
     """A rank's `train.main(argv)`: its exit status and the gloo threads its process has left afterwards."""
+    import gc
+
     from tests.rank_pool import _entry
 
+    gc.collect()  # what earlier cases of this pooled process left to the collector is not this run's
     status = _entry(rank, world, argv)
     names = []
     for task in os.listdir("/proc/self/task"):
