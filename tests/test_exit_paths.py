@@ -180,11 +180,8 @@ def test_a_rank_that_aborts_prints_where_its_python_was(tmp_path, era5_root, job
 
 def _gloo_threads_after(rank: int, world: int, argv: list[str]) -> tuple[int, list[str]]:
     """A rank's `train.main(argv)`: its exit status and the gloo threads its process has left afterwards."""
-    import gc
-
     from tests.rank_pool import _entry
 
-    gc.collect()  # what earlier cases of this pooled process left to the collector is not this run's
     status = _entry(rank, world, argv)
     names = []
     for task in os.listdir("/proc/self/task"):
@@ -197,12 +194,17 @@ def _gloo_threads_after(rank: int, world: int, argv: list[str]) -> tuple[int, li
 
 def test_a_finished_run_has_freed_its_process_groups(tmp_path, era5_root):
     """After train.main returns, no gloo thread is left in a pp2 rank: the process groups are freed while
-    the interpreter is whole, not during its finalization (where one rank aborted once at exit)."""
-    from tests.rank_pool import pool
+    the interpreter is whole, not during its finalization (where one rank aborted once at exit). Ranks
+    fresh from the fork server, as a launch starts them: a long-lived pooled rank may hold earlier cases'."""
+    from tests.rank_pool import RankPool
 
     argv = [f"data.root={era5_root}", f"run.dir={tmp_path}", "parallel.pp=2", *TINY, "trainer.max_steps=2",
             "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]
-    results = pool().run(_gloo_threads_after, 2, argv, timeout_s=180)
+    fresh = RankPool(2)
+    try:
+        results = fresh.run(_gloo_threads_after, 2, argv, timeout_s=180)
+    finally:
+        fresh.close()
     assert [r.error for r in results] == [None, None], next(r.error for r in results if r.error)
     assert [r.value for r in results] == [(0, []), (0, [])]
 
