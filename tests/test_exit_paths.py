@@ -51,12 +51,22 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def left_after(marker: str, wait_s: float) -> list[int]:
-    """The job's processes still alive `wait_s` seconds from now (sooner when none are)."""
+def left_after(marker: str, wait_s: float) -> list[str]:
+    """The job's processes still alive `wait_s` seconds from now (sooner when none are): 'pid (parent)
+    command line' each, so a failure says which."""
     deadline = time.monotonic() + wait_s
     while (alive := job_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return alive
+    return [line for line in map(_described, alive) if line]
+
+
+def _described(pid: int) -> str | None:
+    """'pid (parent) command line', or None when it has ended meanwhile."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        return f"{pid} (parent {parent_of(pid)}) {command}"
+    except OSError:
+        return None
 
 
 class Job:
@@ -227,7 +237,8 @@ def test_a_killed_data_worker_ends_the_run(tmp_path, era5_root, jobs):
     signs = ("exited unexpectedly", "Connection reset by peer", "Connection refused")
     fd_socket_closed = "in rebuild_storage_fd" in job.output and "EOFError" in job.output
     assert any(sign in job.output for sign in signs) or fd_socket_closed, job.output[-2000:]
-    assert not left_after(job.marker, 5)
+    # 10 s: in CI's fresh clone, beside a 4-rank case, one process was once still there after 5 s (which, unknown)
+    assert not left_after(job.marker, 10), job.output[-2000:]
 
 
 @pytest.fixture
