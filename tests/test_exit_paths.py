@@ -202,13 +202,15 @@ def _gloo_threads_after(rank: int, world: int, argv: list[str]) -> tuple[int, li
     return status, [name for name in names if "gloo" in name]
 
 
-def test_a_finished_run_has_freed_its_process_groups(tmp_path, era5_root):
-    """After train.main returns, no gloo thread is left in a pp2 rank: the process groups are freed while
-    the interpreter is whole, not during its finalization (where one rank aborted once at exit). Ranks
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.dp_mode=fsdp"]], ids=["pp2", "fsdp_dp2"])
+def test_a_finished_run_has_freed_its_process_groups(tmp_path, era5_root, layout):
+    """After train.main returns, no gloo thread is left in a rank: the process groups are freed while the
+    interpreter is whole, not during its finalization (where one rank aborted once at exit). pp2: the run's
+    objects hold the groups in reference cycles; FSDP: DTensor's sharding caches hold them from C++. Ranks
     fresh from the fork server, as a launch starts them: a long-lived pooled rank may hold earlier cases'."""
     from tests.rank_pool import RankPool
 
-    argv = [f"data.root={era5_root}", f"run.dir={tmp_path}", "parallel.pp=2", *TINY, "trainer.max_steps=2",
+    argv = [f"data.root={era5_root}", f"run.dir={tmp_path}", *layout, *TINY, "trainer.max_steps=2",
             "trainer.val_every=0", "trainer.ckpt_every=0", "trainer.num_workers=0"]
     fresh = RankPool(2)
     try:

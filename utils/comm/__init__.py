@@ -18,6 +18,7 @@ import enum
 import gc
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -354,7 +355,22 @@ def destroy_grid() -> None:
     with their gloo threads (15 in a tp2 x pp2 rank). Left to the collector, they were freed during the
     interpreter's finalization, where a gloo thread finishing its work can need the GIL being torn down:
     the likely cause of one rank's abort at exit after a complete run ("terminate called without an active
-    exception"). So the cycles are collected here; the groups' destructors join their threads."""
+    exception"). So the cycles are collected here; the groups' destructors join their threads. DTensor's
+    sharding-propagation caches (Python and C++) hold the specs of every op they saw, with their meshes and
+    so the groups (4 in a dp2 FSDP rank), from C++ where no collection reaches them: they are emptied first."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        _clear_dtensor_caches()
         gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation caches, as torch.distributed.tensor.debug's
+    `_clear_sharding_prop_cache` does, without importing that module (it imports inductor: 1.1 s here)."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is None:  # no DTensor in this process
+        return
+    api.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # absent in older torch
+    if clear_fast_path is not None:
+        clear_fast_path()
