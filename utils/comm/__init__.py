@@ -357,7 +357,7 @@ def destroy_grid() -> None:
     the likely cause of one rank's abort at exit after a complete run ("terminate called without an active
     exception"). So the cycles are collected here; the groups' destructors join their threads. DTensor's
     sharding-propagation caches (Python and C++) hold the specs of every op they saw, with their meshes and
-    so the groups (4 in a dp2 FSDP rank), from C++ where no collection reaches them: they are emptied first."""
+    so the groups (4 in a dp2 FSDP rank), for the process's life (no collection frees them): emptied first."""
     if dist.is_initialized():
         dist.destroy_process_group()
         _clear_dtensor_caches()
