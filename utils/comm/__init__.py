@@ -370,7 +370,10 @@ def _clear_dtensor_caches() -> None:
     api = sys.modules.get("torch.distributed.tensor._api")
     if api is None:  # no DTensor in this process
         return
-    api.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # absent in older torch
-    if clear_fast_path is not None:
-        clear_fast_path()
+    # each looked up: a torch other than 2.13 (a device image's) may lack one, and a finished run must not fail
+    # at its exit for a cache it could not empty (its groups are then freed at the interpreter's end, as before)
+    python_cache = api.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    for clear in (getattr(python_cache, "cache_clear", None), fast_path):
+        if clear is not None:
+            clear()
