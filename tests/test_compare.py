@@ -158,3 +158,31 @@ def test_a_resumed_run_keeps_the_last_value_of_each_step(tmp_path):
     assert [(step, value) for step, _, value in curve] == [(1, 1.0), (2, pytest.approx(0.9)), (3, 0.5),
                                                            (4, pytest.approx(0.4)), (5, pytest.approx(0.3))]
     assert 0 <= curve[0][1] <= curve[-1][1] < 60  # seconds since the first event
+
+
+def test_a_launch_in_the_same_second_is_read_after_the_one_it_resumes(tmp_path):
+    """TensorBoard reads a directory's event files in name order, and names start with their second. The first
+    launch wrote steps 1-5 and crashed after its checkpoint at 3; its file, stamped a second ahead with a pid that
+    sorts last as text (a launch in this same second from another process, or this process's writer 99 before
+    its 100), must still be read before the resumed one's, whose steps 4-5 replace the crashed ones."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from utils.engine.logger import TensorBoard
+
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    for step, value in enumerate([1.0, 0.9, 0.8, 0.7, 0.6], start=1):
+        writer.add_scalar("train/loss", value, step)
+    writer.close()
+    (made,) = tmp_path.glob("events.out.tfevents.*")
+    parts = made.name.split(".")  # events, out, tfevents, second, host (may hold dots), pid, counter
+    prefix, stamp, host = ".".join(parts[:3]), int(parts[3]), ".".join(parts[4:-2])
+    made.rename(tmp_path / f"{prefix}.{stamp + 1:010d}.{host}.99999999.99")
+    resumed = TensorBoard(tmp_path, is_main=True, start_step=3)
+    for step, value in ((4, 0.5), (5, 0.4)):
+        resumed.scalars({"train/loss": value}, step)
+    resumed.close()
+    assert [(step, value) for step, _, value in read_curves(tmp_path)["train/loss"]] == [
+        (1, 1.0), (2, pytest.approx(0.9)), (3, pytest.approx(0.8)), (4, 0.5), (5, pytest.approx(0.4))]
+    shown = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0}).Reload().Scalars("train/loss")
+    assert [e.step for e in shown] == [1, 2, 3, 4, 5]  # what TensorBoard draws, in its order

@@ -113,6 +113,22 @@ def hparam_values(flat: dict[str, object]) -> dict[str, int | float | str]:
             else str(value) for key, value in flat.items() if value is not None}
 
 
+EVENT_FILES = "events.out.tfevents.*"  # then the second it was made, host, pid, a counter: TensorBoard's names
+
+
+def wait_for_a_later_second(run_dir: Path, limit_s: float = 2.0) -> None:
+    """Wait until the clock's second is past every event file's in run_dir, so that this launch's file sorts
+    after them: TensorBoard reads a directory's files in name order, and two launches in one second (a resume
+    after a quick stop) would otherwise be ordered by pid and counter as text ('100' before '99'), the resumed
+    steps read first and the purge applied the wrong way. A file stamped later than limit_s ahead (another
+    host's clock) is not waited for."""
+    stamps = [int(part) for path in Path(run_dir).glob(EVENT_FILES)
+              if (part := path.name.split(".")[3]).isdigit()]
+    wait = max(stamps, default=0) + 1 - time.time()
+    if 0 < wait <= limit_s:
+        time.sleep(wait)
+
+
 class TensorBoard:
     """One TensorBoard event stream per run (rank 0 only)."""
 
@@ -130,6 +146,7 @@ class TensorBoard:
 
             # purge_step hides events a crashed run wrote after the checkpoint we resume from (steps are
             # counted as completed steps, so the validation at the checkpoint's step stays)
+            wait_for_a_later_second(self.run_dir)
             self._writer = SummaryWriter(log_dir=str(self.run_dir),
                                          purge_step=self.start_step + 1 if self.start_step else None)
         return self._writer
