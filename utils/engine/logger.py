@@ -120,8 +120,8 @@ def wait_for_a_later_second(run_dir: Path, limit_s: float = 2.0) -> None:
     """Wait until the clock's second is past every event file's in run_dir, so that this launch's file sorts
     after them: TensorBoard reads a directory's files in name order, and two launches in one second (a resume
     after a quick stop) would otherwise be ordered by pid and counter as text ('100' before '99'), the resumed
-    steps read first and the purge applied the wrong way. A file stamped later than limit_s ahead (another
-    host's clock) is not waited for."""
+    steps read first and the purge applied the wrong way. A wait longer than limit_s (a file stamped well
+    ahead, by another host's clock) is skipped."""
     stamps = [int(part) for path in Path(run_dir).glob(EVENT_FILES)
               if (part := path.name.split(".")[3]).isdigit()]
     wait = max(stamps, default=0) + 1 - time.time()
