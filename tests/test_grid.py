@@ -151,3 +151,27 @@ def test_a_taken_rendezvous_port_is_one_line_naming_master_port(monkeypatch):
             init_grid(ParallelConfig(dp=2, init_timeout_s=5))
     assert info.value.setting == "MASTER_PORT" and f"port {port} is in use" in info.value.what, info.value
     assert not dist.is_initialized()
+
+
+def test_a_torch_lacking_one_of_dtensors_caches_still_ends_the_run(monkeypatch):
+    """destroy_grid empties DTensor's two sharding-propagation caches (Python's and the C++ fast path's); on a
+    torch lacking either (another version: a device image's) it skips that one instead of failing the exit."""
+    import torch.distributed.tensor._api as api
+
+    from utils.comm import _clear_dtensor_caches
+
+    propagator, cleared = api.DTensor._op_dispatcher.sharding_propagator, []
+
+    class Cache:
+        def cache_clear(self):
+            cleared.append("python")
+
+    monkeypatch.setattr(propagator, "propagate_op_sharding", Cache())
+    monkeypatch.setattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: cleared.append("c++"),
+                        raising=False)
+    _clear_dtensor_caches()
+    assert cleared == ["python", "c++"]
+    monkeypatch.setattr(propagator, "propagate_op_sharding", lambda *args: None)  # a cache without cache_clear
+    monkeypatch.delattr(torch._C, "_clear_DTensor_sharding_propagator_cache")
+    _clear_dtensor_caches()  # raises nothing, empties nothing
+    assert cleared == ["python", "c++"]
