@@ -55,6 +55,9 @@ def training_flops_per_sample(tokens: int, matmul_params: int, depth: int, width
     token for the attention scores and values of L layers of width D. A causal mask leaves half of the
     score matrix to compute (the flash kernels skip the masked blocks), so a causal model counts 6 L D S
     (as FlashAttention's and torchtitan's FLOP counts do); the ViT is not causal. The ViT's S is its patch count.
+    A linear that reads the data (the ViT's patch embedding) needs no input gradient and runs 4 of the 6; it is
+    counted 6 like the rest. Packed documents with document attention count as causal. tests/test_flops.py checks
+    the formula against torch's FLOP counter; the differences and their sizes: docs/measurements.md.
     """
     attention = 12 * depth * width * tokens * (0.5 if causal else 1.0)
     return tokens * (6 * matmul_params + attention)
