@@ -10,7 +10,9 @@
   sequence parallelism, whose ranks each saw only their own tokens), in one coalesced all-reduce per axis.
   Call it after the last backward of a step, before clipping and the optimizer step. `sum_grads` is its
   reduction (one flat all-reduce per dtype), shared with the pipeline's dp sync (distributed/pipeline/).
-- `no_sync` skips DDP's all-reduce for gradient-accumulation micro-batches, wrapped or not.
+- `no_sync` skips DDP's all-reduce and FSDP's reduce-scatter for gradient-accumulation micro-batches,
+  wrapped or not; the backward must run inside the block (FSDP2 reads the flag in its post-backward hook,
+  DDP at forward time). `set_gradient_sync` is the same switch for the FSDP units inside a pipeline stage.
 """
 
 from __future__ import annotations
@@ -73,19 +75,28 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally (no DDP all-reduce, no FSDP reduce-scatter) inside the block; a no-op
-    without either."""
+    """Accumulate gradients locally (no DDP all-reduce, no FSDP reduce-scatter) for a forward AND its backward
+    run inside the block; a no-op without either. FSDP then keeps each unit's unsharded gradient until the
+    backward that syncs (the memory cost of reducing once per step: docs/memory.md)."""
     if isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
     elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
+        set_gradient_sync(model, False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            set_gradient_sync(model, True)
     else:
         yield
+
+
+def set_gradient_sync(module: nn.Module, sync: bool) -> None:
+    """Whether the next backward of every FSDP unit in `module` reduce-scatters its gradient (sync) or adds it
+    to the unsharded one it keeps; nothing without FSDP."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_requires_gradient_sync(sync, recurse=False)
 
 
 def partial_grad_params(model: nn.Module) -> dict[str, tuple[AxisGroup, list[nn.Parameter]]]:

@@ -9,6 +9,12 @@ sharded on dim 0 over that mesh: all-gathered before each block's forward (and a
 inside, unchanged: a tp-sharded weight is FSDP-sharded as its local tp shard (the gradients equal the
 full model's), so per-rank bytes fall as 1/(dp x tp).
 
+Gradient accumulation (several micro-batches per step, or pipeline microbatches): the units reduce-scatter
+once per step, in the last micro-batch's backward (distributed/data_parallel.py `no_sync`); until then each
+unit adds to an unsharded gradient of its own, so between the first backward and the last a rank holds its
+units' whole gradients (over tp): the bytes of k-1 reduce-scatters saved for that memory (utils/plan/fsdp.py
+plans it).
+
 Gradient convention (as DDP's hook here): summed over cp (each cp rank's loss covers only its own tokens
 of the same sequences) and averaged over dp, by reduce-scattering in fp32 and dividing by grid.batch's size
 (`set_gradient_divide_factor`; on gloo as a sum and a division). The gradient norm (distributed/grad_norm.py)
@@ -30,8 +36,8 @@ expect parameter to have scalar type of Float") and which round the norms' weigh
 
 Under pipeline parallelism only the blocks are sharded (the stages call the cut model's blocks and ends
 directly, so the model's forward never runs): each stage's blocks get one FSDP root of their own
-(`root_over_stage`, over the stage's `StageBlocks`, which holds no parameter), reduce-scattering after every
-microbatch's backward (accumulating into its sharded gradient), and the stages' ends stay replicated and
+(`root_over_stage`, over the stage's `StageBlocks`, which holds no parameter), reduce-scattering in the step's
+last microbatch's backward only (distributed/pipeline/torch_stages.py), and the stages' ends stay replicated and
 are reduced with the pipeline's dp sync; Adam gets the two kinds in separate parameter groups
 (`param_groups`). Without that root each block was its own root, with its own communication state, and
 FSDP keeps each state's last reduce-scatter input (the block's whole gradient) until that state's backward

@@ -16,7 +16,8 @@ pair of (factor, value) settings that occurs together in some accepted case occu
 case of the set (greedy all-pairs: each pick covers the most pairs still
 uncovered, the cheaper case first among equals), and every pair that occurs only in refused cases gets
 one refused case, whose refusal the matrix then checks, unless every case holding it holds a more general
-such pair (`_causes`: hierarchical with pp=2 is refused because hierarchical at cp=2 is).
+such pair (`_causes`: hierarchical with pp=2 is refused because hierarchical at cp=2 is); and each REQUIRED
+combination of more than two settings is held by some accepted case.
 `random_cases(seed, n)` draws accepted cases for longer runs outside the default suite (`pytest
 --matrix-seed S --matrix-cases N`).
 """
@@ -60,6 +61,12 @@ FACTORS = {
     "packing": ("concat", "documents"),  # the language models' rows: one stream, or whole documents masked apart
 }
 NAMES = tuple(FACTORS)
+# Settings that must run together though no pair guarantees it: each is held by a chosen case (the cheapest
+# accepted one that has it, added after the all-pairs picks when none of them does). Where gradient accumulation
+# syncs matters in fp32 at pp=1, where the curves see a micro-batch synced alone, under both dp modes (DDP decides
+# in forward, FSDP2 in its post-backward hook: distributed/data_parallel.py `no_sync`).
+REQUIRED = ({"pp": 1, "dp_mode": "ddp", "precision": "fp32", "grad_accum_steps": 2},
+            {"pp": 1, "dp_mode": "fsdp", "precision": "fp32", "grad_accum_steps": 2})
 GLOBAL_BATCH = 16  # divisible by every dp x accumulation x microbatches of the space
 # Each case validates once, at its end: the language models on 512 tokens (one batch of 16 rows of 32), about 8%
 # of a case's CPU less than 2048 (docs/measurements.md), the ViT on 8 samples (half a batch).
@@ -284,6 +291,9 @@ def compute_covering_set() -> tuple[tuple[Case, ...], tuple[tuple[Case, str], ..
         best = max(accepted, key=lambda c: (masks[c] & uncovered).bit_count())  # the cheapest among equals
         chosen.append(best)
         uncovered &= ~masks[best]
+    for spec in REQUIRED:  # accepted is sorted cheapest first
+        if not any(holds(c, spec) for c in chosen):
+            chosen.append(next(c for c in accepted if holds(c, spec)))
     causes = _causes(sorted((c for c, why in verdicts.items() if why is not None), key=_cost), set(index))
     refused = []
     for case in sorted((c for c, why in verdicts.items() if why is not None), key=_cost):
@@ -291,6 +301,11 @@ def compute_covering_set() -> tuple[tuple[Case, ...], tuple[tuple[Case, str], ..
             refused.append((case, verdicts[case]))
             causes -= new
     return tuple(chosen), tuple(refused)
+
+
+def holds(case: Case, spec: dict) -> bool:
+    """Whether `case` has every setting of `spec` (a REQUIRED entry)."""
+    return all(getattr(case, name) == value for name, value in spec.items())
 
 
 def _causes(refused: list[Case], accepted_pairs: set) -> set:

@@ -222,7 +222,7 @@ def test_covering_set_covers_every_accepted_pair():
     """The cached set (tests/data/matrix_cases.json) is the one computed now, and it is all-pairs against a
     brute-force count of the space: every pair of settings of an accepted case is in a chosen case, every
     refused case holds a pair no accepted case has."""
-    from tests.matrix import _pairs, compute_covering_set, refusal, space
+    from tests.matrix import REQUIRED, _pairs, compute_covering_set, holds, refusal, space
 
     assert (ACCEPTED, REFUSED) == compute_covering_set()
     verdicts = {c: refusal(c) for c in space()}
@@ -231,6 +231,7 @@ def test_covering_set_covers_every_accepted_pair():
     assert needed == covered and len(ACCEPTED) < len(space()) / 20
     assert all(verdicts[c] is None for c in ACCEPTED)
     assert all(set(_pairs(c)) - needed and verdicts[c] == why for c, why in REFUSED)
+    assert all(any(holds(c, spec) for c in ACCEPTED) for spec in REQUIRED)
 
 
 @pytest.mark.slow

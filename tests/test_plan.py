@@ -335,6 +335,8 @@ def test_gathered_peak_is_taken_in_backward():
     units = (Unit(10, False), Unit(100, True), Unit(100, True), Unit(30, False))
     assert gathered_peak(units, 5, True) == 2 * 5 + 100 + 100 + 100  # a block, its gradient, the next prefetched
     assert gathered_peak(units, 5, False) == 2 * 5 + 210 + 100  # the blocks and the embedding still gathered
+    # several micro-batches: every unit's unsharded gradient held from the first backward to the last
+    assert gathered_peak(units, 5, True, accumulating=True) == 2 * 5 + 100 + 100 + (10 + 100 + 100 + 30)
     assert extend_units(units, 4) == (units[0],) + (units[1],) * 4 + (units[3],)
     assert gathered_peak(extend_units(units, 4), 0, False) == 410 + 100  # 4 blocks, the embedding, a gradient
 
@@ -352,3 +354,36 @@ def test_without_replicas_gradients_and_activations_do_not_add_up():
     assert dp2.total_bytes == dp2.param_bytes + dp2.optimizer_bytes + dp2.grad_bytes + dp2.activation_bytes
     pp2 = plan_layout(TINY + ["parallel=pp2"], GPUS["cpu"], 2)  # microbatch 1's gradients beside 2's activations
     assert pp2.total_bytes == pp2.param_bytes + pp2.optimizer_bytes + pp2.grad_bytes + pp2.activation_bytes
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp=2"], ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=gpipe",
+                                                          "parallel.pp_microbatches=2", "model.depth=4",
+                                                          "trainer.global_batch_size=16"]],
+                         ids=["dp2", "pp2dp2"])
+def test_fsdp_accumulation_reduce_scatters_once_per_step(layout, monkeypatch):
+    """One real Trainer.train_step (the planner's fake group, rank 0) with k micro-batches reduce-scatters each FSDP
+    unit's gradient once, in the last micro-batch's backward, not k times (FSDP2 reads `no_sync`'s flag in its
+    post-backward hook: a backward outside the block synced every micro-batch); under pp the same over
+    pp_microbatches x grad_accum_steps microbatches (distributed/pipeline/torch_stages.py). The gathers still
+    run per micro-batch, so the bytes grow by k-1 gathers, never by a reduce-scatter."""
+    import utils.plan.fsdp as fsdp
+    from utils.cli.config import load_config
+    from utils.plan.step import measure_layout
+
+    counts, original = [], fsdp.collective_bytes
+
+    def counted(func, args):
+        counts.append(func is torch.ops.c10d._reduce_scatter_base_.default)
+        return original(func, args)
+
+    monkeypatch.setattr(fsdp, "collective_bytes", counted)
+    planned = {}
+    for accum in (1, 2, 4):
+        counts.clear()
+        cfg = load_config([*FSDP_TINY, *layout, "parallel.dp_mode=fsdp", f"trainer.grad_accum_steps={accum}"])[0]
+        planned[accum] = measure_layout(cfg, 4 if "parallel.pp=2" in layout else 2)
+        planned[accum].reduce_scatters = sum(counts)
+    units = len(planned[1].units) + (planned[1].root_bytes > 0)
+    assert units >= 2 and [planned[k].reduce_scatters for k in (1, 2, 4)] == [units] * 3, planned
+    one, two, four = (planned[k].comm_bytes["dp"] for k in (1, 2, 4))
+    assert four - two == 2 * (two - one) > 0  # each extra micro-batch adds its gathers only

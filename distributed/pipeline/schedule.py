@@ -9,7 +9,8 @@ is off), so the gradients are those of the global-batch mean, as in a single pro
 
 After the last microbatch, `sync_grads` reduces what the stages cannot: the gradients over dp x cp
 (one coalesced all-reduce per dtype, summed over cp and averaged over dp, as DDP's hook does without
-pp; there is no DDP wrapper under pp, so nothing syncs before the last microbatch), and the two
+pp; there is no DDP wrapper under pp, so nothing syncs before the last microbatch; FSDP's units inside the
+stages reduce-scatter in the step's last microbatch only, distributed/pipeline/torch_stages.py), and the two
 copies of a tied embedding when the first and last stage are on different ranks (summed over the
 pipeline's end ranks). `PipelineForward` runs the stages forward only, in order, with blocking
 point-to-point sends: validation and greedy decoding, for any input shape.
@@ -84,7 +85,9 @@ class Pipeline:
             stage.submod.length = length
         start = _mark(self.grid.device)
         packed = getattr(self.model, "documents", None) is not None  # every stage reads the documents of the ids
-        for x, y in zip(inputs.chunk(accum), targets.chunk(accum)):
+        for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+            for stage in self.stages:  # FSDP reduce-scatters in the step's last microbatch only (torch_stages.py)
+                stage.last_chunk = i == accum - 1
             args = (x,) if self.has_first else ()
             kwargs = {"ids": x} if packed else {}  # split into micro-batches with the inputs
             self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False, **kwargs)

@@ -14,6 +14,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from distributed.collectives import nbytes
 from distributed.counting import record
+from distributed.data_parallel import set_gradient_sync
 from distributed.pipeline.stage_plan import PipelinePlan
 from distributed.pipeline.stages import StageModule, head_tokens
 from utils.comm import AxisGroup
@@ -40,6 +41,7 @@ class CountedStage(PipelineStage):
     def __init__(self, *args, axis: AxisGroup, **kwargs):
         super().__init__(*args, **kwargs)
         self.axis = axis
+        self.last_chunk = True  # the optimizer step's last accumulation chunk runs (Pipeline.train_step sets it)
         self.reset_busy()
 
     def reset_busy(self) -> None:
@@ -66,6 +68,16 @@ class CountedStage(PipelineStage):
             return run(*args, **kwargs)
         finally:
             self._busy += time.perf_counter() - start
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """A microbatch's backward, with FSDP's reduce-scatter only in the step's last one: the schedule's last
+        microbatch (`last_backward`) of the last accumulation chunk. torch syncs a stage only when the stage
+        module itself is FSDP's; here its units sit inside (distributed/fsdp.py `root_over_stage`)."""
+        set_gradient_sync(self.submod, last_backward and self.last_chunk)
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        finally:
+            set_gradient_sync(self.submod, True)
 
     def forward_one_chunk(self, *args, **kwargs):
         return self._timed(super().forward_one_chunk, *args, **kwargs)

@@ -147,10 +147,11 @@ class Trainer:
         micro = self.tc.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
-            sync = i == micro - 1  # reduce gradients over dp only after the last micro-batch
-            with (contextlib.nullcontext() if sync else no_sync(self.model)), self.autocast():
-                loss = self.task.training_loss(self.model, self.raw_model.criterion, x, y, self.step) / micro
-            self.scaler.scale(loss).backward()
+            sync = i == micro - 1  # reduce gradients over dp only in the last micro-batch's backward
+            with contextlib.nullcontext() if sync else no_sync(self.model):  # FSDP reads it in backward
+                with self.autocast():
+                    loss = self.task.training_loss(self.model, self.raw_model.criterion, x, y, self.step) / micro
+                self.scaler.scale(loss).backward()
             total += loss.detach()
         return total
 

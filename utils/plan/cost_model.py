@@ -207,7 +207,8 @@ def plan_measured(cfg, full: Measured, hw: Hardware, world: int, overrides: list
     par = cfg.parallel
     plan.grads_meet_activations = par.dp * par.cp > 1 or cfg.trainer.grad_accum_steps > 1 or par.pp > 1
     if full.units or full.root_bytes:
-        plan.gathered_bytes = gathered_peak(full.units, full.root_bytes, cfg.parallel.fsdp_reshard_after_forward)
+        plan.gathered_bytes = gathered_peak(full.units, full.root_bytes, cfg.parallel.fsdp_reshard_after_forward,
+                                            accumulating=microbatches_per_step(cfg) > 1)
     flops = full.flops_per_sample * cfg.trainer.global_batch_size / world
     plan.compute_s = flops / (peak_tflops(hw, cfg.precision.mode) * 1e12 * hw.efficiency)
     bubble = pipeline_bubble(cfg)
@@ -217,6 +218,14 @@ def plan_measured(cfg, full: Measured, hw: Hardware, world: int, overrides: list
     plan.fits = plan.total_bytes <= hw.memory_gb * GB
     plan.host_bytes = round(HOST_RUNTIME_GIB * 2**30) + (plan.total_bytes if hw.device == "cpu" else 0)
     return plan
+
+
+def microbatches_per_step(cfg) -> int:
+    """Backward passes in one optimizer step: grad_accum_steps, times the schedule's microbatches under pp."""
+    from utils.engine.build import pipeline_plan
+
+    pp = pipeline_plan(cfg).microbatches if cfg.parallel.pp > 1 else 1
+    return cfg.trainer.grad_accum_steps * pp
 
 
 def pipeline_bubble(cfg) -> float:

@@ -10,7 +10,8 @@ parameters, and the gradients in the reduce dtype (fp32). So
 `collective_bytes` counts exactly the collectives the step issued, with ring_bytes' convention (what one rank
 sends): every unit gathered in forward and again in backward under `fsdp_reshard_after_forward`, the root
 included (torch keeps the root gathered only when that setting is left to torch), once per micro-batch,
-and its gradient reduce-scattered once per step (gradient accumulation syncs the last micro-batch only).
+and its gradient reduce-scattered once per step, in the last micro-batch's backward (`no_sync` around the
+others' forward and backward; under pp the stages' own switch, distributed/pipeline/torch_stages.py).
 
 Memory: a rank holds its shards of the weights, gradients and Adam state (the planner's held bytes) plus
 the units FSDP has gathered at the moment: `Unit`s, their gathered bytes from the sharded parameters
@@ -18,8 +19,10 @@ the units FSDP has gathered at the moment: `Unit`s, their gathered bytes from th
 (`gathered_peak`) is taken in backward, when a unit's unsharded gradient exists beside its gathered weights:
 the unit being differentiated (weights and gradient), the next one, already prefetched by FSDP2, and the
 root (weights and gradient, both alive from the head's backward to the embedding's). With
-`fsdp_reshard_after_forward=false` every unit not yet differentiated is still gathered. The reduce-scatter's
-copy of one unit's gradient and allocator slack are not modelled.
+`fsdp_reshard_after_forward=false` every unit not yet differentiated is still gathered. With several micro-batches
+per step every unit's unsharded gradient lives from the first backward to the last: the price of one
+reduce-scatter per step instead of one per micro-batch. The reduce-scatter's copy of one unit's gradient and
+allocator slack are not modelled.
 """
 
 from __future__ import annotations
@@ -118,13 +121,16 @@ def extend_units(units: tuple[Unit, ...], depth: int) -> tuple[Unit, ...]:
     return units[:first] + (units[last],) * depth + units[last + 1:]
 
 
-def gathered_peak(units: tuple[Unit, ...], root_bytes: int, reshard_after_forward: bool) -> int:
+def gathered_peak(units: tuple[Unit, ...], root_bytes: int, reshard_after_forward: bool,
+                  accumulating: bool = False) -> int:
     """Peak bytes FSDP holds gathered beyond the shards, in backward (see the module docstring): the root's
     weights and gradient, the unit being differentiated (weights and gradient) and what else is gathered
-    then (the next unit, prefetched; without resharding, every unit not yet differentiated)."""
+    then (the next unit, prefetched; without resharding, every unit not yet differentiated). `accumulating`:
+    a step of several micro-batches, whose gradients are reduce-scattered in the last backward only, so every
+    unit keeps its unsharded gradient from the first backward to the last (distributed/data_parallel.py `no_sync`)."""
     backward = [u.gathered_bytes for u in reversed(units)]
     peak = 0
     for i, current in enumerate(backward):
         alive = backward[i:i + 2] if reshard_after_forward else backward[i:]
-        peak = max(peak, sum(alive) + current)
-    return 2 * root_bytes + peak
+        peak = max(peak, sum(alive) + (0 if accumulating else current))
+    return 2 * root_bytes + peak + (sum(backward) if accumulating else 0)
