@@ -80,3 +80,24 @@ def test_paths_are_bad_input_too(kind, setting, tmp_path):
     assert code == 2 and len(lines) == 1 and f"({setting})" in lines[0], err
     assert "Traceback" not in err + out
     assert not (tmp_path.parent / "escaped").exists()
+
+
+def test_an_older_torch_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A torch older than utils.MIN_TORCH (an image's own, or a bare `pip install torch` gone wrong) is refused by
+    train.py before anything imports it, naming the version found and the one needed; none at all too."""
+    from importlib import metadata
+
+    from utils import ConfigError, require_torch
+
+    require_torch("2.13.0+cpu")
+    require_torch("2.14.1")
+    monkeypatch.setattr(metadata, "version", lambda name: "2.9.1+cu128")
+    line = check_error([], "torch", tmp_path)
+    assert line.startswith("error: torch 2.9.1+cu128 is installed, this code needs torch>=2.13 (torch): "), line
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    with pytest.raises(ConfigError, match="torch is not installed"):
+        require_torch()

@@ -213,3 +213,23 @@ def test_train_mp_refuses_before_any_work(monkeypatch, capsys):
     started = []
     monkeypatch.setattr(local_launch, "launch", lambda argv, world, use_gpus: started.append((world, use_gpus)) or 0)
     assert local_launch.launch_main(["parallel=tp2", "trainer.device=cpu"]) == 0 and started == [(2, False)]
+
+
+def test_the_kernel_comparison_fails_on_nan_and_inf():
+    """The `-m gpu` kernel test's comparison (tests/test_gpu_blocks.py `_close`), on the CPU: a kernel output with
+    a NaN or an inf where the float64 reference is finite fails, however close the rest; entries the reference
+    itself has infinite (the log-sum-exp of rows that see no key) are left out, not compared as zero."""
+    from tests.test_gpu_blocks import _close
+
+    want = torch.tensor([[1.0, -2.0], [0.5, float("-inf")]], dtype=torch.float64)
+    good = want.float().clone()
+    _close(good, want, torch.float32, "exact")
+    for bad in (float("nan"), float("inf")):
+        got = good.clone()
+        got[0, 1] = bad
+        with pytest.raises(AssertionError, match="1 NaN or inf values where the reference is finite"):
+            _close(got, want, torch.float32, "planted")
+    got = good.clone()
+    got[0, 0] = 1.5
+    with pytest.raises(AssertionError, match="relative error 0.25"):
+        _close(got, want, torch.float32, "off")

@@ -7,6 +7,9 @@ exit 2 before any training work. Invariants of our own code stay `assert`s.
 import sys
 
 EXIT_BAD_INPUT = 2
+# The oldest torch the code runs on: it uses 2.13's names at import and construction (DDP's forward_sync_buffers,
+# DCP's DefaultStager and StagingOptions, FSDP2's set_force_sum_reduction_for_comms).
+MIN_TORCH = (2, 13)
 
 
 class ConfigError(ValueError):
@@ -30,3 +33,20 @@ def require(ok: bool, what: str, setting: str, fix: str) -> None:
     """Raise ConfigError unless `ok`."""
     if not ok:
         raise ConfigError(what, setting, fix)
+
+
+def require_torch(version: str | None = None) -> None:
+    """Refuse (ConfigError) a torch older than MIN_TORCH, or none, before anything imports it: an older one fails
+    later with an AttributeError deep in a build. `version`: the installed one (read from the package metadata
+    when None, without importing torch)."""
+    from importlib import metadata
+
+    need = ".".join(map(str, MIN_TORCH))
+    try:
+        version = version or metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        raise ConfigError("torch is not installed", "torch", f"pip install torch=={need}.0 (the CPU build), or a "
+                          f"CUDA build of torch>={need}") from None
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+    require(release >= MIN_TORCH, f"torch {version} is installed, this code needs torch>={need}", "torch",
+            f"pip install 'torch>={need}' (CPU: torch=={need}.0), or use an image that carries it")

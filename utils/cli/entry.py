@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(USAGE)
         return 0
+    from utils import ConfigError, exit_bad_input, require_torch
+
+    try:
+        require_torch()
+    except ConfigError as err:
+        exit_bad_input(err)
     # Imported here, not at the top: `--help` answers at once without loading torch and Hydra. The trainer too
     # (`run` would import it): the collector resumes once the imports are done (utils/startup.py).
     from utils.cli import hydra_app

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from distributed.collectives import all_reduce, barrier
-from utils import ConfigError, exit_bad_input, require
+from utils import ConfigError, exit_bad_input, require, require_torch
 from utils.cli import local_launch
 from utils.cli.config import load_config
 from utils.cli.launch import die_with_parent, free_port, rank_env
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "--campaign" in argv:  # the GPU campaign (utils/doctor/campaign.py)
         try:
+            require_torch()
             return campaign_main([a for a in argv if a != "--campaign"])
         except ConfigError as err:
             exit_bad_input(err)
