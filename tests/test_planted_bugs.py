@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tests.matrix import Mismatch
 from tests.planted_bugs import PLANTS, ROOT, targeted
 
 
@@ -43,3 +44,73 @@ def test_case(case):
     pytester.runpytest("-p", "tests.planted_bugs", "-p", "no:cacheprovider", "-o", "addopts=")
     kinds = {row["case"]: (row["kind"], row["why"]) for row in map(json.loads, outcomes.read_text().splitlines())}
     assert kinds == {"curve": ("mismatch", "loss[2] off"), "crash": ("crash", "precision"), "fine": ("passed", "")}
+
+
+def _judge(monkeypatch, tmp_path, planted: list[dict], unplanted: dict | None = None, hit: bool = True):
+    """Harness.judge on a plant whose matrix run gives `planted` (rows as the plugin writes them) and whose
+    unplanted control gives `unplanted`; nothing is copied or run."""
+    import tests.planted_bugs as harness
+
+    cases = [(harness.ACCEPTED_TEST, row["case"]) for row in planted] or [(harness.ACCEPTED_TEST, "a")]
+    monkeypatch.setattr(harness, "targeted", lambda plant: cases)
+    monkeypatch.setattr(harness, "copy_tree", lambda dest: dest.mkdir(parents=True, exist_ok=True))
+    monkeypatch.setattr(harness, "plant", lambda tree, edits: None)
+    runs = []
+
+    def run_cases(tree, wanted, first, marker=None):
+        runs.append(tree.name)
+        if marker is None:  # the unplanted control
+            return [unplanted or {"case": wanted[0][1], "kind": "passed", "why": ""}]
+        if hit:
+            marker.touch()
+        return planted
+
+    monkeypatch.setattr(harness, "run_cases", run_cases)
+    verdict = harness.Harness(tmp_path, first=True).judge(next(iter(PLANTS)))
+    return verdict, runs
+
+
+@pytest.mark.parametrize("rows,unplanted,hit,status", [
+    ([{"case": "a", "kind": "passed", "why": ""}, {"case": "b", "kind": "mismatch", "why": "loss[1] off"}],
+     None, True, "killed"),
+    ([{"case": "a", "kind": "passed", "why": ""}, {"case": "b", "kind": "passed", "why": ""}], None, True, "survived"),
+    ([{"case": "a", "kind": "crash", "why": "Broken: exit codes [2, 2]"}], None, True, "broken"),
+    ([{"case": "a", "kind": "mismatch", "why": "loss[1] off"}], None, False, "broken"),
+    ([{"case": "a", "kind": "mismatch", "why": "loss[1] off"}], {"case": "a", "kind": "mismatch", "why": "off too"},
+     True, "baseline"),
+    ([{"case": "a", "kind": "mismatch", "why": "loss[1] off"}], {"case": "a", "kind": "crash", "why": "boom"},
+     True, "baseline"),
+], ids=["kill", "survive", "crash-is-broken", "marker-not-hit", "control-fails", "control-crashes"])
+def test_the_harness_verdicts(rows, unplanted, hit, status, monkeypatch, tmp_path):
+    """A kill needs a Mismatch, the planted code run (the marker) and the killing case passing unplanted; a crash
+    is broken, a comparison whose unplanted control fails too is a baseline failure, all passing survives."""
+    verdict, runs = _judge(monkeypatch, tmp_path, rows, unplanted, hit)
+    assert verdict.status == status, verdict
+    killing = next((r for r in rows if r["kind"] != "passed"), None)
+    assert verdict.case == (killing["case"] if killing else "")
+    assert ("unplanted" in runs) == (killing is not None and killing["kind"] == "mismatch")  # only a comparison
+
+
+def test_the_matrix_verdicts_tell_a_crash_from_a_kill():
+    """tests/test_matrix.py: an accepted case exiting 2 on every rank (a torch error re-raised as a ConfigError, the
+    NaN stop, a build-time check) is Broken, not a Mismatch; only a refused case that trained is a Mismatch of the
+    exit status; an internal assert of a rank is a crash, the attention check's own exception a comparison."""
+    from types import SimpleNamespace
+
+    from tests.test_matrix import Broken, assert_exit, attention_verdict
+
+    def ranks(*codes):
+        return [SimpleNamespace(value=c, error=None, stdout="", stderr="error: x (y): z") for c in codes]
+
+    for codes, expected, kind in [((2, 2), 0, Broken), ((0, 2), 0, Broken), ((1, 0), 0, Broken),
+                                  ((0, 0), 2, Mismatch), ((0, 1), 2, Broken), ((2, 1), 2, Broken)]:
+        with pytest.raises(kind) as err:
+            assert_exit(ranks(*codes), expected)
+        assert type(err.value) is kind, (codes, expected)
+    assert_exit(ranks(0, 0), 0)
+    assert_exit(ranks(2, 2), 2)
+    own = RuntimeError("rank 1 failed:\nTraceback ...\ntests.attention_accuracy.AttentionLessAccurate: rank 1: ring "
+                       "attention under bf16 autocast is less accurate than serial SDPA: dV 1.9e-02 > 1.25 x 5.2e-03")
+    assert isinstance(attention_verdict(own), Mismatch) and "dV 1.9e-02" in str(attention_verdict(own))
+    internal = RuntimeError("rank 0 failed:\nTraceback ...\nAssertionError: the ring's blocks do not line up")
+    assert attention_verdict(internal) is internal
