@@ -21,18 +21,22 @@ A crash (or kill -9, or a node loss) at any moment leaves every complete checkpo
 
 Resume (`choose_resume`, decided by rank 0 and broadcast): `latest` is a hint, not the truth. A folder
 counts only when it is complete (marker present, every file it names there); `auto` takes the newest
-complete folder and says so when `latest` names something else. A checkpoint whose files cannot be read
-back raises `CorruptCheckpoint` (DCP's load is collective: every rank learns it), and `resume_state`
-falls back to the previous complete checkpoint; one of another model (a name or global shape this model
-does not have) is refused with the one-line error. No file is unpickled beyond DCP's own metadata
-classes and tensors.
+complete folder and says so when `latest` names something else. A checkpoint that fails to load is set
+aside only on evidence of damage (`CorruptCheckpoint`: a missing or short file, a size or digest other than
+the marker records, a torch.save record whose headers or CRC-32 do not match, a damaged state.json), and
+`resume_state` falls back to the previous complete checkpoint; any other failure (a code bug, a torch or
+DCP version that cannot read it) stops every rank with the one-line error and leaves it in place
+(`CheckpointLoadError`), as does one of another model (a name or global shape this model does not have).
+No file is unpickled beyond DCP's own metadata classes and tensors.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import pickletools
 import shutil
 import time
 from collections.abc import Callable
@@ -43,7 +47,15 @@ import torch
 
 from distributed.collectives import all_reduce_, barrier, broadcast_object
 from utils import ConfigError
-from utils.checkpoints.sharded_state import View, load_state, read_shapes, save_state, transient, truncated_files
+from utils.checkpoints.sharded_state import (
+    View,
+    damaged_records,
+    load_state,
+    read_shapes,
+    save_state,
+    transient,
+    truncated_files,
+)
 from utils.comm import AxisGroup
 
 MARKER = "COMPLETE"
@@ -67,11 +79,27 @@ def write_durably(path: Path, text: str) -> None:
 
 
 class CorruptCheckpoint(Exception):
-    """A checkpoint whose files cannot be read back (truncated, damaged, or holding forbidden objects)."""
+    """A checkpoint whose files show damage (missing, short, changed since the save, a broken record): the only
+    failure that sets a checkpoint aside and falls back to an older one."""
 
     def __init__(self, file: Path, reason: str):
         self.file, self.reason = file, reason
         super().__init__(f"{file}: {reason}")
+
+
+class CheckpointLoadError(ConfigError):
+    """A checkpoint that fails to load while its files show no damage (a code bug, a torch or DCP version that
+    cannot read it): every rank stops with the one-line error and the checkpoint stays where it is."""
+
+    def __init__(self, path: Path, err: BaseException):
+        detail = " ".join(f"{type(err).__name__}: {err}".split())[:600]
+        super().__init__(f"cannot load checkpoint {path}, whose files show no damage ({detail})", "trainer.resume",
+                         "it is left in place: fix the cause (a code change, the torch version that wrote it) and "
+                         "relaunch, or resume from another step, or set trainer.resume=never")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class Checkpointer:
@@ -182,7 +210,10 @@ class Checkpointer:
     def _publish(self, step: int, tmp: Path, final: Path) -> None:
         """Rank 0: marker last, folder into place, pointer moved, then (only then) the old ones pruned."""
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-        write_durably(tmp / MARKER, json.dumps({"step": step, "format": FORMAT, "files": files}))
+        # DCP's files as saved: evidence of damage, should a load fail (state.json speaks for itself: JSON)
+        sizes = {name: (tmp / name).stat().st_size for name in files if name != "state.json"}
+        write_durably(tmp / MARKER, json.dumps({"step": step, "format": FORMAT, "files": files, "sizes": sizes,
+                                                "sha256": {".metadata": _sha256(tmp / ".metadata")}}))
         fsync_dir(tmp)
         aside = self.dir / f".old_step_{step:07d}"
         if final.exists():  # re-saving a step (e.g. after resuming an older one): keep it until replaced
@@ -222,13 +253,17 @@ class Checkpointer:
 
     def check(self, path: Path, view: View) -> None:
         """Refuse (ConfigError) a checkpoint that lacks a tensor of `view` or holds it in another global
-        shape: it was written by another model. CorruptCheckpoint when its metadata cannot be read."""
+        shape: it was written by another model. Metadata that cannot be read: CorruptCheckpoint when the
+        file shows damage, else CheckpointLoadError."""
         try:
             shapes = read_shapes(Path(path))
-        except Exception as err:  # a damaged pickle raises anything from EOFError to TypeError
+        except Exception as err:  # a damaged pickle raises anything from EOFError to TypeError, and so may a bug
             if transient(err):
                 raise
-            raise CorruptCheckpoint(Path(path) / ".metadata", " ".join(str(err).split())) from None
+            if (damage := self.metadata_damage(Path(path))) is not None:
+                raise CorruptCheckpoint(Path(path) / ".metadata", f"{damage}; {' '.join(str(err).split())}") \
+                    from None
+            raise CheckpointLoadError(Path(path), err) from None
         for key, shape in view.global_shapes().items():
             if shapes.get(key) != shape:
                 there = "is missing" if key not in shapes else f"has shape {list(shapes[key])}"
@@ -237,20 +272,52 @@ class Checkpointer:
                                   "resume with the model settings that wrote it, or set trainer.resume=never")
 
     def load(self, path: Path, view: View) -> None:
-        """Fill `view` from `path` (collective); CorruptCheckpoint on every rank when any rank finds a short or
-        damaged file. An I/O error (EIO, ESTALE on a parallel file system) or a collective's failure re-raises:
-        the checkpoint may be good, and falling back would let the next save's pruning delete it."""
+        """Fill `view` from `path` (collective). A failure is CorruptCheckpoint only on evidence of damage (a
+        short or changed file, or a broken record this rank reads), else CheckpointLoadError: a bug or a
+        version skew must not cost the run its checkpoints. An I/O error (EIO, ESTALE on a parallel file
+        system) or a collective's failure re-raises: the checkpoint may be good, and falling back would let the
+        next save's pruning delete it."""
         try:
             load_state(view.tensors, Path(path), self.world)
         except Exception as err:  # DCP gathers every rank's read errors into one CheckpointException
-            short = truncated_files(Path(path))
-            if not short and any(transient(cause) for cause in getattr(err, "causes", [err])):
+            if (damage := self.file_damage(Path(path))) is not None:
+                raise CorruptCheckpoint(Path(path), damage) from None
+            if any(transient(cause) for cause in getattr(err, "causes", [err])):
                 raise
-            reason = f"truncated: {', '.join(short)}" if short else " ".join(str(err).split())[-400:]
-            raise CorruptCheckpoint(Path(path), reason) from None
+            if broken := damaged_records(Path(path), view.tensors):
+                raise CorruptCheckpoint(Path(path), f"damaged: {'; '.join(broken)}") from None
+            raise CheckpointLoadError(Path(path), err) from None
+
+    def file_damage(self, path: Path) -> str | None:
+        """What shows a checkpoint's files damaged, cheaply (None: nothing): a data file shorter than DCP's
+        metadata says, or a file whose size differs from the one the marker records."""
+        if short := truncated_files(path):
+            return f"truncated: {', '.join(short)}"
+        recorded = (self.marker(path) or {}).get("sizes", {})
+        sizes = {name: (path / name).stat().st_size if (path / name).is_file() else None for name in recorded}
+        changed = [f"{name} ({sizes[name]} bytes, saved {n})" for name, n in sorted(recorded.items())
+                   if sizes[name] != n]
+        return f"changed since the save: {', '.join(changed)}" if changed else None
+
+    def metadata_damage(self, path: Path) -> str | None:
+        """What shows DCP's .metadata damaged (None: nothing): missing, another digest than the marker records,
+        or (a marker of before digests) bytes that are no whole pickle: cut short or garbled, as its opcodes
+        show (read without building any object; a version skew still writes a whole pickle)."""
+        file = path / ".metadata"
+        if not file.is_file():
+            return "missing"
+        recorded = (self.marker(path) or {}).get("sha256", {}).get(".metadata")
+        if recorded is not None:
+            return None if _sha256(file) == recorded else "its bytes differ from the saved ones (sha256)"
+        try:
+            for _ in pickletools.genops(file.read_bytes()):
+                pass
+        except ValueError as err:  # an unknown opcode, or bytes that end before the pickle does
+            return f"not a whole pickle ({' '.join(str(err).split())[:200]})"
+        return None
 
     def set_aside(self, path: Path) -> Path | None:
-        """Rank 0: rename a checkpoint found unreadable to `bad_<name>`, out of reach of resume and pruning
+        """Rank 0: rename a checkpoint found damaged to `bad_<name>`, out of reach of resume and pruning
         (whose `step_*` it no longer matches), so that nothing deletes what a person may still recover."""
         if self.rank != 0 or not Path(path).is_dir():
             return None
@@ -328,7 +395,9 @@ def _agreed_choice(resume: str, checkpointer: Checkpointer) -> tuple[list[Path],
     return decision
 
 
-READABLE, CORRUPT, REFUSED, FAILED = 0, 1, 2, 3  # a rank's verdict on a checkpoint; the worst one counts
+# A rank's verdict on a checkpoint; the worst one counts. A load error with no evidence ranks below damage: DCP
+# raises every rank's failure on every rank, and only the rank that reads a broken record sees its evidence.
+READABLE, UNEXPLAINED, CORRUPT, REFUSED, FAILED = 0, 1, 2, 3, 4
 
 
 def _attempt(action: Callable[[], None]) -> tuple[int, Exception | None]:
@@ -338,6 +407,8 @@ def _attempt(action: Callable[[], None]) -> tuple[int, Exception | None]:
         return READABLE, None
     except CorruptCheckpoint as err:
         return CORRUPT, err
+    except CheckpointLoadError as err:
+        return UNEXPLAINED, err
     except ConfigError as err:
         return REFUSED, err
     except Exception as err:  # noqa: BLE001 - I/O or a collective: every rank stops, none falls back
@@ -350,10 +421,10 @@ def resume_state(resume: str, checkpointer: Checkpointer, make_view: Callable[[d
     checkpoint; None: start at step 0. `make_view(meta, path)`: this rank's destination tensors.
 
     Rank 0 chooses (see choose_resume). Every rank reads the state and checks the checkpoint against its
-    view; the verdicts are max-reduced, so all go on together: a checkpoint some rank finds short or damaged
-    moves every rank to the previous complete one, named in a warning (auto moves it aside); one refused
-    outright (another model) or nothing readable left stops every rank with the one-line error; an I/O or
-    collective error stops every rank with that error.
+    view; the verdicts are max-reduced, so all go on together: a checkpoint some rank finds damaged moves
+    every rank to the previous complete one, named in a warning (auto moves it aside); one that fails to load
+    with no evidence of damage, one refused outright (another model) or nothing readable left stops every rank
+    with the one-line error, touching nothing; an I/O or collective error stops every rank with that error.
     """
     paths, why = _agreed_choice(resume, checkpointer)
     log.info(why)
@@ -379,11 +450,13 @@ def resume_state(resume: str, checkpointer: Checkpointer, make_view: Callable[[d
         if verdict == FAILED:
             raise problem if flag == FAILED else RuntimeError(
                 f"another rank could not read checkpoint {path} (see its error); not falling back")
-        if verdict == REFUSED:
-            raise problem if flag == REFUSED else ConfigError(
+        if verdict in (REFUSED, UNEXPLAINED):
+            raise problem if flag == verdict else ConfigError(
                 f"another rank cannot use checkpoint {path}", "trainer.resume", "see that rank's error line")
         if isinstance(problem, CorruptCheckpoint):
             log.warning(f"rank {checkpointer.rank}: unreadable checkpoint {problem.file} ({problem.reason[:300]})")
+        elif problem is not None:  # another rank's evidence of damage explains this rank's failure
+            log.warning(f"rank {checkpointer.rank}: {problem}")
         if resume == "auto" and (aside := checkpointer.set_aside(path)) is not None:
             log.warning(f"moved the unreadable checkpoint {path} aside to {aside} (kept, never pruned)")
     if paths:
