@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import time
@@ -116,6 +117,28 @@ def _pooled(rank: int, world_size: int, init_file: str, timeout_s: float, fn: Ca
     dist.barrier()
 
 
+SOURCE_DIRS = ("networks", "distributed", "utils")  # the code under test (an assert there is an invariant's)
+
+
+class RankAssertion(AssertionError):
+    """A rank failed an assertion of the test's own code (a comparison made on the rank), as opposed to an error
+    or an assert of the code under test, which stay RuntimeErrors: tests/planted_bugs.py counts only the former as
+    a comparison that failed."""
+
+
+def rank_failure(rank: int, error: str) -> Exception:
+    """The exception `run_ranks` raises for a rank's traceback `error`: RankAssertion when it ends in an
+    AssertionError raised outside the code under test (SOURCE_DIRS), else RuntimeError."""
+    files = [Path(f) for f in re.findall(r'^  File "([^"]+)", line \d+', error, re.M)]
+    tail = error[error.rfind('  File "'):] if files else error
+    innermost = files[-1].resolve() if files else None
+    in_source = innermost is not None and innermost.is_relative_to(ROOT) and \
+        innermost.relative_to(ROOT).parts[0] in SOURCE_DIRS
+    if re.search(r"^AssertionError\b", tail, re.M) and not in_source:
+        return RankAssertion(f"rank {rank} failed an assertion:\n{error}")
+    return RuntimeError(f"rank {rank} failed:\n{error}")
+
+
 def run_ranks(fn: Callable, world_size: int, tmp_path: Path | str, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
               fresh: bool = False) -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; raise if any rank fails."""
@@ -127,7 +150,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path | str, *args, timeou
         failed = [(r, res.error) for r, res in enumerate(results) if res.error is not None]
         failed.sort(key=lambda f: f[1].startswith("stopped:"))  # the rank that failed first, not those it stopped
         if failed:
-            raise RuntimeError(f"rank {failed[0][0]} failed:\n{failed[0][1]}")
+            raise rank_failure(*failed[0])
         return
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -161,7 +184,7 @@ def _collect(procs: list, results, timeout_s: float) -> None:
                 raise TimeoutError(f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s")
             continue
         if error is not None:
-            raise RuntimeError(f"rank {rank} failed:\n{error}")
+            raise rank_failure(rank, error)
         pending.discard(rank)
 
 

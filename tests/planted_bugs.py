@@ -2,21 +2,28 @@
 [--report FILE]`.
 
 Each plant is a realistic defect of one mechanism (dp averaging, a tp mapping, a cp variant, the pipeline's
-loss scaling, FSDP's precision, the initialisation, ...), written as text edits that must each match the
-code exactly once (a plant that no longer fits the code fails loudly instead of testing nothing). The
+loss scaling, FSDP's precision, the initialisation, a refusal check, ...), written as text edits that must each
+match the code exactly once (a plant that no longer fits the code fails loudly instead of testing nothing). The
 planted text calls `_plant_hit()`, which the harness appends to each edited file: it touches a marker file,
-so a plant whose code never ran is reported as such. For each plant:
+so a plant whose code never ran is reported as such; where the line also runs in the single-process reference,
+the planted text calls it only where the defect changes something. For each plant:
 
 1. the tree is copied and planted, and the matrix cases the plant targets (`Plant.targets`, over the
-   covering set of tests/matrix.py, cheapest first) run on the copy through pytest;
-2. a case counts as a kill only when a matrix comparison failed (`tests.matrix.Mismatch`: a curve, a gradient
-   norm, the checkpoint's keys and shapes, the attention check, an exit status or refusal line the trainer's
-   checks predict). A crash, a setup error or a timeout is a broken plant, not a kill;
-3. the killing case must pass on the unplanted copy (run once per case, cached), or the plant is reported as
-   proving nothing (a baseline failure);
-4. the marker must exist: the planted path ran.
+   covering set of tests/matrix.py as cached for the unplanted tree, cheapest first; refused cases too for a
+   plant in a refusal check), or its own tests outside the matrix (`Plant.tests`: code no matrix case can
+   observe, such as a Hugging Face import by slices or a forecast score), run on the copy through pytest;
+2. a case counts as a kill only when a comparison failed by at least KILL_MARGIN (3) times its bound: a matrix
+   comparison (`tests.matrix.Mismatch`: a curve, a gradient norm, the checkpoint's keys and shapes, the attention
+   check, an exit status or refusal line the trainer's checks predict; or, where the curves are off by less,
+   the worst parameter or module the localiser names, against its tolerance), or outside the matrix a failed
+   assertion of the test or of a testing library against an independent oracle (its margin read from the
+   message). A planted matrix case off by less than that is skipped as thin and the next case runs. A crash, an
+   assert inside the code under test, a setup error or a timeout is a broken plant, not a kill;
+3. the killing case must pass on the unplanted copy, at the bound itself (run once per case, cached), or the
+   plant is reported as proving nothing (a baseline failure);
+4. the marker must exist: the planted path ran (and changed something).
 
-`--first` stops each plant's run at its first failing case (CI runs that: .ci/run). The outcome of every case
+`--first` stops each plant's run at its first kill (CI runs that: .ci/run). The outcome of every case
 is read from a file this module writes as a pytest plugin (`-p tests.planted_bugs`). Exit status 0 when every
 plant is killed, 1 otherwise. Results: docs/testing.md.
 """
@@ -24,7 +31,9 @@ plant is killed, 1 otherwise. Results: docs/testing.md.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +45,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTCOMES_VAR, MARKER_VAR = "DLSCALE_PLANT_OUTCOMES", "DLSCALE_PLANT_MARKER"
+FROZEN_VAR, KILL_MARGIN_VAR = "DLSCALE_MATRIX_FROZEN", "DLSCALE_KILL_MARGIN"  # read by tests/matrix.py, test_matrix.py
+KILL_MARGIN = 3.0  # a kill is a value off by at least 3x its bound (the curves, or a parameter's fingerprint)
 ACCEPTED_TEST = "tests/test_matrix.py::test_accepted_combination_follows_the_single_process_run"
 REFUSED_TEST = "tests/test_matrix.py::test_refused_combination_exits_2_with_one_line"
 HIT = '''
@@ -56,6 +67,10 @@ class Plant:
     edits: tuple[tuple[str, str, str], ...]  # (file, the fixed code's text, the defect's text)
     targets: Callable  # Case -> bool: the matrix cases where the mechanism acts
     refused: bool = False  # the refused cases it targets too (a wrong acceptance)
+    # (test, parameter id) outside the matrix, for code no matrix case can observe (an import from a Hugging Face
+    # folder, a checkpoint read under another layout, a forecast score): run instead of matrix cases, their
+    # comparisons against an independent oracle count as kills (`_kind`)
+    tests: tuple[tuple[str, str], ...] = ()
 
 
 def _v_schedule(case) -> bool:
@@ -110,7 +125,7 @@ PLANTS = {
         (("distributed/context/attention.py", "out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, "
           "is_causal=self.causal,", "out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, "
           "is_causal=_plant_hit(False),"),),
-        lambda c: c.cp_attention == "alltoall" and c.model != "vit"),
+        lambda c: c.cp_attention == "alltoall" and c.model != "vit" and c.packing != "documents"),  # is_causal's path
     "hierarchical_group_positions_reversed": Plant(
         "cp hierarchical", "each all-to-all group's positions are its members' in reverse rank order: the ring "
         "across groups masks by the wrong tokens' positions",
@@ -121,14 +136,14 @@ PLANTS = {
         "FSDP mixed precision", "issue 23 item 1: FSDP2's policy casts parameters (and so stage outputs) to bf16",
         (("distributed/fsdp.py", "policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)",
           "policy = MixedPrecisionPolicy(param_dtype=_plant_hit(torch.bfloat16), reduce_dtype=torch.float32)"),
-         ("distributed/pipeline/stages.py", "if x.dtype != self.activation_dtype or tuple(x.shape) != shape:",
-          "if tuple(x.shape) != shape:")),
+         ),
         lambda c: c.dp_mode == "fsdp" and c.pp == 1),  # under pp the stages' fp32 receive buffers refuse it (a crash)
     "checkpoint_wrapper_names": Plant(
         "activation checkpointing", "issue 23 item 3: Adam state named from named_parameters(), the activation "
         "checkpointing wrapper's prefixes included",
         (("utils/checkpoints/sharded_state.py", "    params = parameter_names(model)\n",
-          "    params = _plant_hit(dict(model.named_parameters(remove_duplicate=False)))\n"),),
+          "    params = (named if (named := dict(model.named_parameters(remove_duplicate=False))).keys() == "
+          "parameter_names(model).keys() else _plant_hit(named))\n"),),  # marked only where the names differ
         lambda c: c.activation_checkpointing),
     "tied_embedding_grads_unsummed": Plant(
         "tied embeddings", "the pipeline's first and last stage do not sum their tied embedding gradients",
@@ -137,7 +152,7 @@ PLANTS = {
     "init_columns_from_zero": Plant(
         "initialisation", "a column shard draws its rows' values and keeps the first columns, not its own",
         (("networks/initialization.py", "values = values.narrow(dim, offsets[dim], piece.shape[dim])",
-          "values = values.narrow(dim, _plant_hit(0), piece.shape[dim])"),),
+          "values = values.narrow(dim, offsets[dim] and _plant_hit(0), piece.shape[dim])"),),  # marked off 0 only
         lambda c: c.tp > 1),
     "pipeline_loss_unscaled": Plant(
         "loss scaler", "the last stage's backward runs on the unscaled loss while the scaler unscales the gradients",
@@ -152,6 +167,46 @@ PLANTS = {
           "'fsdp':\n            _plant_hit([p.data.copy_(p.data.bfloat16().float()) for p in "
           "self.raw_model.parameters() if p.dim() == 1])\n"),),
         lambda c: c.dp_mode == "fsdp" and c.precision == "bf16"),
+    "document_block_unmasked": Plant(
+        "document masks", "the ring runs a block that is only partly visible (across a document or the diagonal) "
+        "without its mask, as if every pair were visible",
+        (("distributed/context/ring.py", "None if bool(m.all()) else m.repeat(1, group, 1)[:, None]",
+          "None if bool(m.all()) or _plant_hit(True) else m.repeat(1, group, 1)[:, None]"),),
+        lambda c: c.cp_attention in ("ring", "hierarchical") and c.packing == "documents"),
+    "hierarchical_accepts_one_group": Plant(
+        "refusal checks", "the hierarchical variant's group check accepts cp_a2a = cp (one all-to-all group, "
+        "no ring across groups): off by one",
+        (("utils/schema.py", "groups_fit = 1 < self.cp_a2a < self.cp and",
+          "groups_fit = (1 < self.cp_a2a < self.cp or (self.cp_a2a == self.cp and _plant_hit(True))) and"),),
+        lambda c: c.cp_attention == "hierarchical" and c.cp == 2, refused=True),
+    "fsdp_norm_skips_shard_sum": Plant(
+        "gradient norm", "the gradient norm counts an FSDP-sharded gradient's local squares only, not summed over "
+        "the ranks that shard it",
+        (("distributed/grad_norm.py", "axes = ((fsdp,) if isinstance(p.grad, DTensor) else ())",
+          "axes = ((fsdp,) if isinstance(p.grad, DTensor) and not _plant_hit(True) else ())"),),
+        lambda c: c.dp_mode == "fsdp"),
+    "box_hands_dcp_a_copy": Plant(
+        "checkpoint boxes", "a box hands DCP a copy of its local tensor: a save writes the right values, a load "
+        "fills the copy and leaves the model's tensors as they were",
+        (("utils/checkpoints/sharded_state.py", "        return self.local\n",
+          "        return _plant_hit(self.local.clone())\n"),),
+        lambda c: False,
+        tests=(("tests/test_checkpoint_boxes.py::test_boxes_save_and_load_without_collectives",
+                "uneven-tp2_fsdp2-to-tp3"),)),
+    "slice_import_last_row_as_padding": Plant(
+        "sliced import", "a box that reaches the end of a padded vocabulary reads its last real row as padding "
+        "(zeros): off by one at the boundary",
+        (("utils/checkpoints/hf_stream.py", "real = max(r0, min(r1, rule.real_rows))",
+          "real = max(r0, min(r1, rule.real_rows - (r1 >= rule.real_rows and _plant_hit(1))))"),),
+        lambda c: False,
+        tests=(("tests/test_hf_slices.py::test_every_box_read_by_slices_equals_the_whole_import", "gpt2"),)),
+    "crps_not_fair": Plant(
+        "forecast ensemble scores", "the fair CRPS's member-pair term divided by M^2 (the standard estimator's) "
+        "instead of M (M - 1)",
+        (("utils/tasks/ensemble.py", "x.sort(dim=0).values).sum(dim=0) / (num * (num - 1))",
+          "x.sort(dim=0).values).sum(dim=0) / _plant_hit(num * num)"),),
+        lambda c: False,
+        tests=(("tests/test_ensemble.py::test_fair_crps_equals_scores", "5"),)),
 }
 
 
@@ -161,19 +216,49 @@ def pytest_runtest_makereport(item, call):
     path = os.environ.get(OUTCOMES_VAR)
     if not path or call.when == "teardown" or (call.when == "setup" and call.excinfo is None):
         return None
-    from tests.matrix import Mismatch
-
     excinfo = call.excinfo
-    if excinfo is None:
-        kind = "passed"
-    elif excinfo.typename == "Skipped":
-        kind = "skipped"
-    else:
-        kind = "mismatch" if excinfo.errisinstance(Mismatch) else "crash"
+    matrix = item.nodeid.startswith("tests/test_matrix.py")
+    kind, margin = ("passed", None) if excinfo is None else _kind(excinfo, matrix)
     line = "" if excinfo is None else (str(excinfo.value).strip().splitlines() or [excinfo.typename])[0][:300]
     with open(path, "a") as out:
-        out.write(json.dumps({"case": item.callspec.id, "kind": kind, "why": line}) + "\n")
+        out.write(json.dumps({"case": item.callspec.id, "kind": kind, "why": line, "margin": margin}) + "\n")
     return None
+
+
+def _kind(excinfo, matrix: bool) -> tuple[str, float | None]:
+    """('mismatch', margin) for a comparison that failed, else ('crash' | 'skipped', None). A comparison: the
+    matrix's Mismatch (its `margin`: how many times its bound the value is off), only that in the matrix's tests
+    (`matrix`), and outside them an
+    AssertionError raised by the test or by a testing library (torch.testing, numpy.testing: the margin read from
+    their message; inf for an exact comparison), never one raised inside the code under test."""
+    from tests.helpers import SOURCE_DIRS
+    from tests.matrix import Mismatch
+
+    if excinfo.typename == "Skipped":
+        return "skipped", None
+    if excinfo.errisinstance(Mismatch):
+        return "mismatch", getattr(excinfo.value, "margin", math.inf)
+    if matrix or not excinfo.errisinstance(AssertionError):
+        return "crash", None
+    raised = Path(str(excinfo.traceback[-1].path)).resolve()
+    if raised.is_relative_to(ROOT) and raised.relative_to(ROOT).parts[0] in SOURCE_DIRS:
+        return "crash", None
+    return "mismatch", assertion_margin(str(excinfo.value))
+
+
+def assertion_margin(message: str) -> float:
+    """How many times its tolerance a testing library's failed comparison is off: torch.testing's "Greatest
+    absolute/relative difference: X ... (up to Y allowed)" (the smaller ratio: an element fails beyond atol +
+    rtol x |expected|, so a tolerance of 0 on one side says nothing), numpy's "Max relative difference ...: X"
+    over its rtol; inf for an exact comparison (torch's "not equal", no allowance) or a message without figures
+    (a plain assert of equality)."""
+    torch_style = r"Greatest \w+ difference: ([-+.\deinf]+) .*?\(up to ([-+.\de]+) allowed\)"
+    ratios = [float(x) / float(y) if float(y) > 0 else math.inf for x, y in re.findall(torch_style, message)]
+    rtol = re.search(r"rtol=([-+.\de]+)", message)
+    found = re.search(r"Max relative difference[^:]*: ([-+.\deinf]+)", message)
+    if rtol and found:
+        ratios.append(float(found.group(1)) / float(rtol.group(1)) if float(rtol.group(1)) > 0 else math.inf)
+    return min(ratios, default=math.inf)
 
 
 # ---- the harness ----
@@ -203,8 +288,12 @@ def plant(tree: Path, edits: tuple[tuple[str, str, str], ...]) -> None:
 
 
 def targeted(p: Plant) -> list[tuple[str, str]]:
-    """(test, case id) of the matrix cases `p` targets, fp32 first (the cheapest on any CPU), then by size."""
+    """(test, case id) of the matrix cases `p` targets, fp32 first (the cheapest on any CPU), then by size; or the
+    plant's own tests outside the matrix."""
     from tests.matrix import covering_set
+
+    if p.tests:
+        return list(p.tests)
 
     accepted, refused = covering_set()
     cases = [(ACCEPTED_TEST, c) for c in accepted if p.targets(c)]
@@ -217,10 +306,12 @@ def run_cases(tree: Path, cases: list[tuple[str, str]], first: bool, marker: Pat
     """Each case's outcome ({case, kind, why}) of a pytest run of `cases` on `tree`."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         outcomes = Path(f.name)
-    env = {**os.environ, OUTCOMES_VAR: str(outcomes)}
+    # the unplanted covering set (a plant in a check would move cases between accepted and refused), and the
+    # margin a planted run must exceed to kill (KILL_MARGIN x the bound); the unplanted control at the bound
+    env = {**os.environ, OUTCOMES_VAR: str(outcomes), FROZEN_VAR: "1", KILL_MARGIN_VAR: "1"}
     env.pop(MARKER_VAR, None)
     if marker is not None:
-        env[MARKER_VAR] = str(marker)
+        env[MARKER_VAR], env[KILL_MARGIN_VAR] = str(marker), str(KILL_MARGIN)
     args = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-p",
             "tests.planted_bugs", *(["-x"] if first else []), *(f"{test}[{case}]" for test, case in cases)]
     proc = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
@@ -235,20 +326,28 @@ def run_cases(tree: Path, cases: list[tuple[str, str]], first: bool, marker: Pat
 @dataclass
 class Verdict:
     name: str
-    status: str  # killed, survived, broken, baseline
+    status: str  # killed, survived, thin, broken, baseline
     case: str = ""
     why: str = ""
     cases_run: int = 0
     targeted: int = 0
     seconds: float = 0.0
+    margin: float | None = None  # a kill's: how many times its bound the killing value is off (inf: exact)
 
     def line(self) -> str:
         p = PLANTS[self.name]
-        where = {"killed": f"by {self.case}: {self.why}",
+        margin = "" if self.margin is None else f" [margin {self.margin:.3g}x]"
+        where = {"killed": f"by {self.case}: {self.why}{margin}",
                  "survived": f"{self.cases_run} of {self.targeted} cases passed",
+                 "thin": f"{self.case} is off by less than {KILL_MARGIN:g}x its bound: {self.why}",
                  "broken": f"{self.case}: {self.why}",
                  "baseline": f"{self.case} fails unplanted too: {self.why}"}[self.status]
         return f"{self.name} ({p.mechanism}): {self.status.upper()} {where} [{self.seconds:.0f} s]"
+
+
+def _thin(row: dict) -> bool:
+    """A matrix case whose planted run was off, by less than KILL_MARGIN x its bound (tests/test_matrix.py skips it)."""
+    return row["kind"] == "skipped" and row["why"].startswith("thin:")
 
 
 class Harness:
@@ -276,7 +375,10 @@ class Harness:
         copy_tree(tree)
         plant(tree, p.edits)
         rows = run_cases(tree, cases, self.first, marker)
-        verdict.cases_run = sum(r["kind"] in ("passed", "mismatch", "crash") for r in rows)
+        verdict.cases_run = sum(r["kind"] in ("passed", "mismatch", "crash") or _thin(r) for r in rows)
+        thin = [r for r in rows if _thin(r)]
+        if thin:  # off by less than KILL_MARGIN x the bound: no kill, though not a pass either
+            verdict.status, verdict.case, verdict.why = "thin", thin[0]["case"], thin[0]["why"]
         bad = next((r for r in rows if r["kind"] in ("mismatch", "crash")), None)
         if bad is not None:
             verdict.case, verdict.why = bad["case"], bad["why"]
@@ -288,7 +390,7 @@ class Harness:
             elif not marker.exists():
                 verdict.status, verdict.why = "broken", "the planted code never ran"
             else:
-                verdict.status = "killed"
+                verdict.status, verdict.margin = "killed", bad.get("margin")
         verdict.seconds = time.monotonic() - start
         shutil.rmtree(tree, ignore_errors=True)
         return verdict

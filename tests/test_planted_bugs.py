@@ -26,24 +26,43 @@ def test_at_least_twelve_mechanisms():
 
 
 def test_the_plugin_tells_a_comparison_from_a_crash(pytester, monkeypatch, tmp_path):
-    """A Mismatch is a 'mismatch', any other failure (an assertion on an exit status included) a 'crash'."""
+    """A Mismatch is a 'mismatch' with its margin; outside the matrix's tests an assertion of the test or of a
+    testing library is one too (its margin read from the message), while an assert inside the code under test, or
+    any other error, is a 'crash'."""
     outcomes = tmp_path / "outcomes.jsonl"
     monkeypatch.setenv("DLSCALE_PLANT_OUTCOMES", str(outcomes))
     monkeypatch.syspath_prepend(str(ROOT))
     pytester.makepyfile(test_cases="""
 import pytest
+import torch
 from tests.matrix import Mismatch
 
-@pytest.mark.parametrize("case", ["curve", "crash", "fine"])
+@pytest.mark.parametrize("case", ["curve", "crash", "fine", "close", "exact", "assert", "internal"])
 def test_case(case):
     if case == "curve":
-        raise Mismatch("loss[2] off")
+        raise Mismatch("loss[2] off", margin=4.0)
     if case == "crash":
         raise NameError("precision")
+    if case == "close":
+        torch.testing.assert_close(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.1]), rtol=1e-2, atol=0)
+    if case == "exact":
+        torch.testing.assert_close(torch.tensor([1.0]), torch.tensor([2.0]), rtol=0, atol=0)
+    if case == "assert":
+        assert 1 == 2, "counts differ"
+    if case == "internal":  # an invariant of the code under test (utils/plan/fsdp.py)
+        from utils.plan.fsdp import Unit, extend_units
+        extend_units((Unit(1, True), Unit(1, False), Unit(1, True)), 2)
 """)
     pytester.runpytest("-p", "tests.planted_bugs", "-p", "no:cacheprovider", "-o", "addopts=")
-    kinds = {row["case"]: (row["kind"], row["why"]) for row in map(json.loads, outcomes.read_text().splitlines())}
-    assert kinds == {"curve": ("mismatch", "loss[2] off"), "crash": ("crash", "precision"), "fine": ("passed", "")}
+    rows = {row["case"]: row for row in map(json.loads, outcomes.read_text().splitlines())}
+    assert {case: row["kind"] for case, row in rows.items()} == {
+        "curve": "mismatch", "crash": "crash", "fine": "passed", "close": "mismatch", "exact": "mismatch",
+        "assert": "mismatch", "internal": "crash"}
+    assert (rows["curve"]["why"], rows["curve"]["margin"]) == ("loss[2] off", 4.0)
+    assert rows["crash"]["why"] == "precision"
+    # |2.0 - 2.1| = 0.1 against 0 + 1e-2 x 2.1: torch reports the relative difference 0.0476 (up to 0.01 allowed)
+    assert rows["close"]["margin"] == pytest.approx(0.1 / 2.1 / 1e-2, rel=1e-3)
+    assert rows["exact"]["margin"] == rows["assert"]["margin"] == float("inf")
 
 
 def _judge(monkeypatch, tmp_path, planted: list[dict], unplanted: dict | None = None, hit: bool = True):
@@ -80,13 +99,19 @@ def _judge(monkeypatch, tmp_path, planted: list[dict], unplanted: dict | None = 
      True, "baseline"),
     ([{"case": "a", "kind": "mismatch", "why": "loss[1] off"}], {"case": "a", "kind": "crash", "why": "boom"},
      True, "baseline"),
-], ids=["kill", "survive", "crash-is-broken", "marker-not-hit", "control-fails", "control-crashes"])
+    ([{"case": "a", "kind": "skipped", "why": "thin: loss[1] 1.1x"}, {"case": "b", "kind": "passed", "why": ""}],
+     None, True, "thin"),
+    ([{"case": "a", "kind": "skipped", "why": "thin: loss[1] 1.1x"}, {"case": "b", "kind": "mismatch", "why": "9x"}],
+     None, True, "killed"),
+], ids=["kill", "survive", "crash-is-broken", "marker-not-hit", "control-fails", "control-crashes", "thin",
+        "thin-then-kill"])
 def test_the_harness_verdicts(rows, unplanted, hit, status, monkeypatch, tmp_path):
     """A kill needs a Mismatch, the planted code run (the marker) and the killing case passing unplanted; a crash
     is broken, a comparison whose unplanted control fails too is a baseline failure, all passing survives."""
     verdict, runs = _judge(monkeypatch, tmp_path, rows, unplanted, hit)
     assert verdict.status == status, verdict
-    killing = next((r for r in rows if r["kind"] != "passed"), None)
+    killing = next((r for r in rows if r["kind"] in ("mismatch", "crash")), None) or next(
+        (r for r in rows if r["kind"] == "skipped"), None)
     assert verdict.case == (killing["case"] if killing else "")
     assert ("unplanted" in runs) == (killing is not None and killing["kind"] == "mismatch")  # only a comparison
 
