@@ -1,44 +1,30 @@
 """SPMD types for the parallel mappings: the second oracle (tests/typecheck.py runs it; docs/testing.md).
 
-Each autograd Function of `distributed/mappings.py` (and the two other Functions that communicate inside
-the model: the vocabulary-parallel cross-entropy and ring attention) gets a type signature on the axis it
-is given, in the local SPMD types of meta-pytorch's `spmd-types` (PyPI `spmd-types`, a test-only
-dependency): per mesh axis a tensor is R (replicated; its gradient is a pending sum, P), I (invariant:
-replicated, and so is its gradient), V (varying: per-rank values, S(d) when sharded along d; gradient V)
-or P (a pending sum; gradient R). The forward signatures (`SIGNATURES`):
+Each autograd Function of `distributed/mappings.py`, and the two other Functions that communicate inside the
+model, gets a type signature on the axis it is given, in the local SPMD types of meta-pytorch's spmd-types
+(PyPI `spmd-types`, a test-only dependency). Per mesh axis a tensor is R (replicated; its gradient a pending
+sum, P), I (invariant: replicated, its gradient too), V (varying: per-rank values, S(d) when sharded along d;
+gradient V) or P (a pending sum; gradient R). Forward signatures (`SIGNATURES`; "P|V": a pending sum, or a
+varying local result read as one, as spmd-types' all_reduce(src=V) allows):
 
-    copy_to_region         I    -> R     (Megatron `f`: the backward all-reduces the P gradient to I)
-    reduce_from_region     P|V  -> I     (Megatron `g`; V: a row-parallel matmul's local, unsummed output)
-    scatter_to_region      I    -> S(d)
-    gather_from_region     S(d) -> I
-    all_gather_region      S(d) -> R     (sequence parallelism's `g`, cp's K/V gather)
-    reduce_scatter_region  P|V  -> S(d)
-    all_gather_linear      x S(d) -> R, then x @ W^T + b with W, b V -> V
-    sequence_to_heads      S(2) -> S(1), heads_to_sequence S(1) -> S(2)   (all-to-all)
-    vocab cross-entropy    logits V -> per-token loss I (its all-reduces are inside)
-    ring attention         q, k, v V -> V (its point-to-point shifts are inside)
-    ContextShards.shard    R -> S(d) on cp (the cp split of the full sequence: backward scatters, V -> P)
+    copy_to_region I -> R (Megatron f)          reduce_from_region P|V -> I (Megatron g)
+    scatter_to_region I -> S(d)                 gather_from_region S(d) -> I
+    all_gather_region S(d) -> R                 reduce_scatter_region P|V -> S(d)
+    all_gather_linear x: S(d) -> R, then x @ W^T + b with W, b V -> V
+    sequence_to_heads S(2) -> S(1)              heads_to_sequence S(1) -> S(2)
+    vocab-parallel cross-entropy logits V -> per-token loss I; ring attention q, k, v V -> V
+    ContextShards.shard (the cp split) R -> S(d) on cp (its backward scatters: V -> P)
 
-`checking(grid)` turns the types on: inside it, `typed_forward()` regions (the harness wraps a training step's
-forward and loss in one) run under spmd-types' type-checking mode, which infers the type of every torch op from
-its operands and raises `SpmdTypeError` where they do not combine (I with V or P, P through a non-linear op,
-...); each mapping checks its input against its signature and stamps its output. Backward is not a forward
-type inference: spmd-types trusts a Function's backward. So each mapping's backward is checked here: its
-incoming gradient is typed the backward type of its output, the body runs under the checking mode with the
-collectives it calls (all_reduce, all_gather, reduce_scatter, own_chunk, all_to_all of the counted door)
-typed, and every gradient it returns must have the backward type of its input (R and I count as one here:
-both are the same value on every rank). Last, the gradient sync: a parameter typed R on tp (a replicated
-weight used on sequence shards: `partial_grad_params`) receives a P gradient, which `sum_grads` must turn to
-R before the optimizer; `unsummed()` lists those that were not.
+Inside `checking(grid)`, `typed_forward()` regions run under spmd-types' checking mode, which infers every torch
+op's type from its operands and raises SpmdTypeError where they do not combine (I with V or P, P through a
+non-linear op, ...); each mapping checks its input against its signature and stamps its output. spmd-types
+trusts a Function's backward, so each mapping's backward is checked here: the incoming gradient is typed the
+backward type of the forward output, the body runs in the checking mode with the collectives it calls typed
+(`DOORS`), and each returned gradient must have the backward type of its input (R and I count as one: the
+same value on every rank). Hierarchical cp's all-to-all group and ring are typed as cp (sub-axes of it).
 
-Parameters are typed on tp from the layers' declarations: sharded (`shard_dims`) V, partial
-(`partial_grad_params`) R, every other I; on cp every parameter is R (each rank's tokens give a partial
-gradient, summed by the data-parallel reduction over dp x cp, which is not typed here). Inputs are I on tp
-and R on cp.
-
-Off by default: nothing here imports spmd-types or patches anything until `checking` is entered, and
-`distributed/mappings.py` is untouched (the Functions are typed by class attributes set inside `checking`
-and removed at its exit).
+Off by default: nothing imports spmd-types or patches anything until `checking` is entered, and
+distributed/mappings.py is unchanged (class attributes set inside `checking`, removed at its exit).
 """
 
 from __future__ import annotations
@@ -46,38 +32,41 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 MAPPINGS = "distributed.mappings"
 # Function class in distributed.mappings -> (forward input type, output type) on its axis. "S" is S(dim) of the
 # call; "P|V": a pending sum, or a varying local result read as one (spmd-types' all_reduce(src=V)).
 SIGNATURES = {
-    "_CopyToRegion": ("I", "R"),
-    "_ReduceFromRegion": ("P|V", "I"),
-    "_ScatterToRegion": ("I", "S"),
-    "_GatherFromRegion": ("S", "I"),
-    "_AllGatherRegion": ("S", "R"),
-    "_AllGatherLinear": ("S", "V"),
-    "_ReduceScatterRegion": ("P|V", "S"),
-    "_SequenceToHeads": ("S2", "S1"),
-    "_HeadsToSequence": ("S1", "S2"),
+    "_CopyToRegion": ("I", "R", "copy_to_region"),
+    "_ReduceFromRegion": ("P|V", "I", "reduce_from_region"),
+    "_ScatterToRegion": ("I", "S", "scatter_to_region"),
+    "_GatherFromRegion": ("S", "I", "gather_from_region"),
+    "_AllGatherRegion": ("S", "R", "all_gather_region"),
+    "_AllGatherLinear": ("S", "V", "all_gather_linear"),
+    "_ReduceScatterRegion": ("P|V", "S", "reduce_scatter_region"),
+    "_SequenceToHeads": ("S2", "S1", "sequence_to_heads"),
+    "_HeadsToSequence": ("S1", "S2", "heads_to_sequence"),
 }
 # The collectives the mappings' backwards call (names in distributed.mappings), typed while a backward is checked.
+_UNREDUCED = ": a pending sum left unreduced (a missing all-reduce or reduce-scatter)"
 DOORS = ("all_reduce", "all_gather", "reduce_scatter", "own_chunk", "all_to_all")
 
 
 @dataclass
 class Session:
-    grid: object
     axes: dict  # axis name ('tp', 'cp') -> AxisGroup of size > 1
-    param_types: dict  # id(param) -> {axis name: 'R' | 'I' | 'V'}
-    partial: dict  # id(param) -> (name, set of axis names its gradient is partial over)
-    summed: dict  # id(param) -> set of axis names sum_grads reduced its gradient over
     backward_checks: int = 0
     in_backward: int = 0  # depth of checked backward bodies (the doors are typed there only)
+    undo: list = field(default_factory=list)  # (object, attribute, old value or _MISSING)
+
+    def patch(self, obj, attr: str, value) -> None:
+        """Set obj.attr (a class's own attribute, a module's global) to value until `checking` exits."""
+        old = obj.__dict__.get(attr, _MISSING) if isinstance(obj, type) else getattr(obj, attr, _MISSING)
+        setattr(obj, attr, value)
+        self.undo.append((obj, attr, old))
 
 
 _session: Session | None = None
@@ -111,9 +100,7 @@ def _type_on(x: torch.Tensor, group):
 
 def _same_value(a, b) -> bool:
     """Equal types, R and I counted as one (the same value on every rank; they differ in the gradient only)."""
-    s = _spmd()
-    same = {s.R, s.I}
-    return a is b or (a in same and b in same)
+    return a is b or {a, b} <= {_spmd().R, _spmd().I}
 
 
 def _error(msg: str):
@@ -137,10 +124,10 @@ def _src(x, group, spec: str, dim: int):
 
 
 def _mapping_rule(name: str):
-    src_spec, dst_spec = SIGNATURES[name]
+    src_spec, dst_spec, _ = SIGNATURES[name]
 
     def transition(x, group, dim):
-        s, rules = _spmd(), _spmd().rules
+        rules = _spmd().rules
         src = _src(x, group, src_spec, dim)
         dst = _shard(dst_spec, dim) if dst_spec.startswith("S") else _t(dst_spec)
         if src_spec == "P|V":
@@ -151,7 +138,7 @@ def _mapping_rule(name: str):
             return rules.all_to_all(x, group, src=src, dst=dst)
         if src_spec.startswith("S"):
             return rules.all_gather(x, group, src=src, dst=dst)
-        return rules.convert(x, group, src=src, dst=dst if dst is not s.R else s.R)
+        return rules.convert(x, group, src=src, dst=dst)
 
     if name == "_AllGatherLinear":
         def rule(outputs, *, x, weight, bias, axis, dim):
@@ -203,49 +190,15 @@ def _ring_rule(outputs, *, q, k, v, axis, positions):
     s.rules.output(outputs, typed)
 
 
-def _copy_types(outputs, inputs) -> None:
-    """Output i has input i's type (identity Functions of FSDP and DDP that wrap a module's inputs or outputs)."""
-    from spmd_types.runtime import _set_local_type
-
-    s = _spmd()
-    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    ins = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    s.rules.ignore(*[t for t in ins if isinstance(t, torch.Tensor)])
-    for o, i in zip(outs, ins):
-        if isinstance(o, torch.Tensor):
-            _set_local_type(o, dict(s.get_local_type(i)) if isinstance(i, torch.Tensor) and s.has_local_type(i) else {})
-
-
-def _pass_inputs(outputs, *, inputs):
-    _copy_types(outputs, inputs)
-
-
-def _pass_output(outputs, *, output):
-    _copy_types(outputs, output)
-
-
-def _identity_functions() -> list[tuple[type, object]]:
-    """FSDP's and DDP's identity Functions around module inputs and outputs, with their pass-through rules."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
-    from torch.nn.parallel import distributed as ddp
-
-    found = [(getattr(_fsdp_param_group, "RegisterPostBackwardFunction", None), _pass_inputs),
-             (getattr(_fsdp_state, "RegisterPreBackwardFunction", None), _pass_output),
-             (getattr(ddp, "_DDPSink", None), _pass_inputs)]
-    return [(cls, rule) for cls, rule in found if cls is not None]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Backward checks
 
 
 def _grad_types(name: str, ctx):
     """(type of the incoming gradient, expected type of the input gradient) on the Function's axis."""
-    src_spec, dst_spec = SIGNATURES[name]
-    s = _spmd()
-    kind = {"I": s.I, "R": s.R, "V": s.V, "P": s.P}
-    out = s.V if dst_spec.startswith("S") else kind[dst_spec]
-    inp = s.P if src_spec == "P|V" else s.V if src_spec.startswith("S") else kind[src_spec]
+    src_spec, dst_spec, _ = SIGNATURES[name]
+    out = _t("V" if dst_spec.startswith("S") else dst_spec)
+    inp = _t("P" if src_spec == "P|V" else "V" if src_spec.startswith("S") else src_spec)
     return out.backward_type(), inp.backward_type()
 
 
@@ -286,7 +239,6 @@ def _typed_door(name: str, real):
         others[s.MeshAxis.of(g)] = new
         s.assert_type(out, others)
         return out
-    door.__wrapped_door__ = real
     return door
 
 
@@ -310,8 +262,11 @@ def _checked_backward(name: str, real):
                 s.assert_type(g, {group: incoming})
             typed.append(g)
         _session.in_backward += 1
-        with s.checker.typecheck(strict_mode="permissive"), _leaving(_session):
-            result = real(ctx, *typed)
+        try:
+            with s.checker.typecheck(strict_mode="permissive"):
+                result = real(ctx, *typed)
+        finally:
+            _session.in_backward -= 1
         _session.backward_checks += 1
         outs = result if isinstance(result, tuple) else (result,)
         for i, (g, want) in enumerate(zip(outs, _input_grad_types(name, expected))):
@@ -321,18 +276,9 @@ def _checked_backward(name: str, real):
             if have is None or not _same_value(have, want):
                 raise _error(f"{_public(name)} backward on {axis.name}: the gradient of input {i} is "
                              f"{have if have is not None else 'untyped'} but must be {want!r} (the backward type of "
-                             f"its forward type){_hint(name, have)}")
+                             f"its forward type)" + (_UNREDUCED if have is s.P else ""))
         return result
-    backward.__checked__ = real
     return backward
-
-
-@contextlib.contextmanager
-def _leaving(session: Session):
-    try:
-        yield
-    finally:
-        session.in_backward -= 1
 
 
 def _input_grad_types(name: str, expected):
@@ -342,19 +288,8 @@ def _input_grad_types(name: str, expected):
     return (expected,)
 
 
-def _hint(name: str, have) -> str:
-    s = _spmd()
-    if have is s.P:
-        return ": a pending sum left unreduced (a missing all-reduce or reduce-scatter)"
-    return ""
-
-
 def _public(name: str) -> str:
-    return {"_CopyToRegion": "copy_to_region", "_ReduceFromRegion": "reduce_from_region",
-            "_ScatterToRegion": "scatter_to_region", "_GatherFromRegion": "gather_from_region",
-            "_AllGatherRegion": "all_gather_region", "_AllGatherLinear": "all_gather_linear",
-            "_ReduceScatterRegion": "reduce_scatter_region", "_SequenceToHeads": "sequence_to_heads",
-            "_HeadsToSequence": "heads_to_sequence"}.get(name, name)
+    return SIGNATURES[name][2]
 
 
 def _remembering_forward(real, axis_pos: int):
@@ -362,47 +297,11 @@ def _remembering_forward(real, axis_pos: int):
     def forward(ctx, *args):
         ctx._spmd_axis = args[axis_pos]
         return real(ctx, *args)
-    forward.__remembering__ = real
     return forward
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Parameters, the cp split, the gradient sync
-
-
-def _param_types(model: nn.Module, axes: dict) -> tuple[dict, dict]:
-    """(id(param) -> {axis name: type name}, id(param) -> (name, axis names its grad is partial over))."""
-    types, partial = {}, {}
-    tp = axes.get("tp")
-    for mod_name, module in model.named_modules():
-        shard_dims = getattr(module, "shard_dims", {}) if getattr(module, "axis", None) is tp else {}
-        declared = {id(p) for p in module.partial_grad_params()} if hasattr(module, "partial_grad_params") else set()
-        for name, p in module.named_parameters(recurse=False):
-            t = {}
-            if tp is not None:
-                t["tp"] = "V" if name in shard_dims else "R" if id(p) in declared else "I"
-            if "cp" in axes:
-                t["cp"] = "R"
-            types.setdefault(id(p), t)
-            over = {a for a, v in t.items() if v == "R"}
-            if over:
-                partial[id(p)] = (f"{mod_name}.{name}".lstrip("."), over)
-    return types, partial
-
-
-def _stamp_params(module: nn.Module, args) -> None:
-    """Forward pre-hook: type the module's own parameters (FSDP's unsharded ones too, as they are at forward)."""
-    session = _session
-    if session is None or not _spmd().is_type_checking():
-        return
-    s = _spmd()
-    for name, p in module.named_parameters(recurse=False):
-        key = module._spmd_param_keys.get(name)
-        t = session.param_types.get(key) if key is not None else None
-        if t is None:
-            continue
-        want = {session.axes[a].group: _t(v) for a, v in t.items()}
-        s.assert_type(p, want)  # once per tensor object; a later stamp must agree with the first
+# The cp split
 
 
 def _typed_shard(real):
@@ -424,37 +323,7 @@ def _typed_shard(real):
         typed[s.MeshAxis.of(self.axis.group)] = s.V
         s.assert_type(out, typed)
         return out
-    shard.__typed__ = real
     return shard
-
-
-def _typed_sum_grads(real):
-    @functools.wraps(real)
-    def sum_grads(params, axis):
-        if _session is not None:
-            name = next((n for n, a in _session.axes.items() if a is axis or a.group is axis.group), axis.name)
-            for p in params:
-                if p.grad is not None:
-                    _session.summed.setdefault(id(p), set()).add(name)
-        return real(params, axis)
-    sum_grads.__typed__ = real
-    return sum_grads
-
-
-def unsummed(model: nn.Module) -> list[str]:
-    """Parameters typed R on tp whose (P) gradient reached the optimizer without sum_grads over tp, since
-    `checking` began or `reset_sync` (cp's P gradients are summed by DDP/FSDP over dp x cp, not typed here)."""
-    assert _session is not None
-    s = _spmd()
-    missing = []
-    for name, p in model.named_parameters():
-        entry = _session.partial.get(id(p))
-        if entry is None or "tp" not in entry[1] or id(p) not in _session.grads_seen:
-            continue
-        if "tp" not in _session.summed.get(id(p), set()):
-            missing.append(f"{name}: R on tp, so its gradient is {s.R.backward_type()!r} (a pending sum), and it "
-                           "reached the optimizer without sum_grads over tp")
-    return missing
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -462,66 +331,44 @@ def unsummed(model: nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def checking(grid, model: nn.Module) -> Iterator[Session]:
-    """Type checking on for `model` (this rank's parts, as built) on `grid`: the mappings, the two other
-    communicating Functions, the cp split and the gradient sync are typed until exit. Forward regions to infer
-    run in `typed_forward()`."""
+def checking(grid) -> Iterator[Session]:
+    """Type checking on over `grid`'s tp and cp axes: the mappings, the two other communicating Functions and the
+    cp split are typed until exit (`Session.patch` adds more, undone at exit too). Forward regions to infer run
+    in `typed_forward()`."""
     global _session
-    import importlib
-
-    import distributed.data_parallel as data_parallel
-    from distributed.context import layout, ring
-    from distributed.tensor import vocab
-
-    s = _spmd()
-    mappings = importlib.import_module(MAPPINGS)
-    axes = {name: grid.axis(name) for name in ("tp", "cp") if grid.size(name) > 1}
-    types, partial = _param_types(model, axes)
-    session = Session(grid, axes, types, partial, {})
-    session.grads_seen = set()
-    undo: list = []
-
-    def patch(obj, attr, value):
-        old = obj.__dict__.get(attr, _MISSING) if isinstance(obj, type) else getattr(obj, attr, _MISSING)
-        setattr(obj, attr, value)
-        undo.append((obj, attr, old))
-
-    hooks = []
+    session = Session({name: grid.axis(name) for name in ("tp", "cp") if grid.size(name) > 1})
     try:
-        for name in SIGNATURES:
-            cls = getattr(mappings, name)
-            axis_pos = 3 if name == "_AllGatherLinear" else 1
-            patch(cls, "spmd_typecheck", staticmethod(_mapping_rule(name)))
-            patch(cls, "forward", staticmethod(_remembering_forward(cls.__dict__["forward"].__func__, axis_pos)))
-            patch(cls, "backward", staticmethod(_checked_backward(name, cls.__dict__["backward"].__func__)))
-        for door in DOORS:
-            patch(mappings, door, _typed_door(door, getattr(mappings, door)))
-        patch(vocab._VocabParallelCrossEntropy, "spmd_typecheck", staticmethod(_vocab_cross_entropy_rule))
-        patch(ring._RingAttention, "spmd_typecheck", staticmethod(_ring_rule))
-        for cls, rule in _identity_functions():
-            patch(cls, "spmd_typecheck", staticmethod(rule))
-        patch(layout.ContextShards, "shard", _typed_shard(layout.ContextShards.shard))
-        patch(data_parallel, "sum_grads", _typed_sum_grads(data_parallel.sum_grads))
-        for module in model.modules():
-            module._spmd_param_keys = {n: id(p) for n, p in module.named_parameters(recurse=False)}
-            hooks.append(module.register_forward_pre_hook(_stamp_params))
-        for p in model.parameters():
-            if p.requires_grad:
-                hooks.append(p.register_post_accumulate_grad_hook(lambda q: session.grads_seen.add(id(q))))
+        _install(session.patch)
         _session = session
-        with s.traceback_filtering("off"):
+        with _spmd().traceback_filtering("off"):
             yield session
     finally:
         _session = None
-        for h in hooks:
-            h.remove()
-        for module in model.modules():
-            module.__dict__.pop("_spmd_param_keys", None)
-        for obj, attr, old in reversed(undo):
+        for obj, attr, old in reversed(session.undo):
             if old is _MISSING:
                 delattr(obj, attr)
             else:
                 setattr(obj, attr, old)
+
+
+def _install(patch) -> None:
+    import importlib
+
+    from distributed.context import layout, ring
+    from distributed.tensor import vocab
+
+    mappings = importlib.import_module(MAPPINGS)
+    for name in SIGNATURES:
+        cls = getattr(mappings, name)
+        axis_pos = 3 if name == "_AllGatherLinear" else 1
+        patch(cls, "spmd_typecheck", staticmethod(_mapping_rule(name)))
+        patch(cls, "forward", staticmethod(_remembering_forward(cls.__dict__["forward"].__func__, axis_pos)))
+        patch(cls, "backward", staticmethod(_checked_backward(name, cls.__dict__["backward"].__func__)))
+    for door in DOORS:
+        patch(mappings, door, _typed_door(door, getattr(mappings, door)))
+    patch(vocab._VocabParallelCrossEntropy, "spmd_typecheck", staticmethod(_vocab_cross_entropy_rule))
+    patch(ring._RingAttention, "spmd_typecheck", staticmethod(_ring_rule))
+    patch(layout.ContextShards, "shard", _typed_shard(layout.ContextShards.shard))
 
 
 _MISSING = object()

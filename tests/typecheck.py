@@ -87,14 +87,14 @@ def check_case(case, rank: int = 0) -> Verdict:
         trainer = build_trainer(cfg, data_less_task(cfg, None), grid, logging.getLogger("typecheck"), Path(tmp))
         try:
             x, y = trainer.task.example_batch(cfg.trainer.global_batch_size // grid.batch.size, grid.device)
-            with spmd_typing.checking(grid, trainer.raw_model) as session:
+            with spmd_typing.checking(grid) as session, TypedModel(session, trainer.raw_model) as typed:
                 _type_losses(trainer, spmd_typing)
                 try:
                     trainer.train_step(x, y)
                 except spmd.SpmdTypeError as err:
                     return Verdict(name, "type error", note + _where(err), time.perf_counter() - start,
                                    session.backward_checks)
-                missing = spmd_typing.unsummed(trainer.raw_model)
+                missing = typed.unsummed()
                 if missing:
                     return Verdict(name, "type error", note + "gradient sync: " + "; ".join(missing[:3]),
                                    time.perf_counter() - start, session.backward_checks)
@@ -118,8 +118,110 @@ def _type_losses(trainer, spmd_typing) -> None:
     trainer.task.training_loss = training_loss
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The model's parameters, FSDP's and DDP's identity Functions, the gradient sync
+
+
+class TypedModel:
+    """Types this rank's model's parameters from the layers' declarations (on tp: sharded `shard_dims` V, declared
+    partial `partial_grad_params` R, the rest I; on cp every parameter R: each rank's tokens give a partial
+    gradient, summed by DDP/FSDP over dp x cp, which is not typed), at each module's forward (FSDP's unsharded
+    parameters too); types FSDP's and DDP's identity Functions as pass-through; and follows the gradient sync: an R
+    parameter's gradient is P (a pending sum) until `sum_grads` reduces it over that axis."""
+
+    def __init__(self, session, model):
+        from distributed import spmd_typing as st
+
+        self.st, self.session, self.model = st, session, model
+        self.types, self.partial = {}, {}
+        self.summed, self.seen = {}, set()
+        tp, cp = session.axes.get("tp"), session.axes.get("cp")
+        for mod_name, module in model.named_modules():
+            dims = getattr(module, "shard_dims", {}) if tp is not None and getattr(module, "axis", None) is tp else {}
+            declared = {id(p) for p in module.partial_grad_params()} if hasattr(module, "partial_grad_params") else ()
+            for name, p in module.named_parameters(recurse=False):
+                t = {"tp": "V" if name in dims else "R" if id(p) in declared else "I"} if tp is not None else {}
+                t.update({"cp": "R"} if cp is not None else {})
+                self.types.setdefault(id(p), t)
+                if t.get("tp") == "R":
+                    self.partial[id(p)] = f"{mod_name}.{name}".lstrip(".")
+
+    def __enter__(self):
+        import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+        import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
+        import torch.nn.parallel.distributed as ddp
+
+        import distributed.data_parallel as data_parallel
+
+        patch = self.session.patch
+        for cls, rule in ((fsdp_group.RegisterPostBackwardFunction, _pass_inputs),
+                          (fsdp_state.RegisterPreBackwardFunction, _pass_output), (ddp._DDPSink, _pass_inputs)):
+            patch(cls, "spmd_typecheck", staticmethod(rule))
+        patch(data_parallel, "sum_grads", self._sum_grads(data_parallel.sum_grads))
+        self.hooks = []
+        for module in self.model.modules():
+            keys = {n: id(p) for n, p in module.named_parameters(recurse=False)}
+            self.hooks.append(module.register_forward_pre_hook(lambda m, args, keys=keys: self._stamp(m, keys)))
+        for p in self.model.parameters():
+            if p.requires_grad:
+                self.hooks.append(p.register_post_accumulate_grad_hook(lambda q: self.seen.add(id(q))))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+
+    def _stamp(self, module, keys: dict) -> None:
+        spmd = _spmd()
+        if not spmd.is_type_checking():
+            return
+        for name, p in module.named_parameters(recurse=False):
+            t = self.types.get(keys.get(name))
+            if t:  # once per tensor object; a later stamp must agree with the first
+                spmd.assert_type(p, {self.session.axes[a].group: self.st._t(v) for a, v in t.items()})
+
+    def _sum_grads(self, real):
+        def sum_grads(params, axis):
+            for p in params:
+                if p.grad is not None:
+                    self.summed.setdefault(id(p), set()).add(axis.name)
+            return real(params, axis)
+        return sum_grads
+
+    def unsummed(self) -> list[str]:
+        """Parameters R on tp whose P gradient reached the optimizer without sum_grads over tp."""
+        tp = self.session.axes.get("tp")
+        return [f"{self.partial[id(p)]}: R on tp, so its gradient is {_spmd().R.backward_type()!r} (a pending sum), "
+                "and it reached the optimizer without sum_grads over tp" for p in self.model.parameters()
+                if id(p) in self.partial and id(p) in self.seen and tp.name not in self.summed.get(id(p), ())]
+
+
+def _copy_types(outputs, inputs) -> None:
+    """Output i gets input i's type (FSDP's and DDP's identity Functions around a module's inputs or outputs)."""
+    import torch
+    from spmd_types.runtime import _set_local_type
+
+    spmd = _spmd()
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    ins = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    spmd.rules.ignore(*[t for t in ins if isinstance(t, torch.Tensor)])
+    for o, i in zip(outs, ins):
+        if isinstance(o, torch.Tensor):
+            typed = isinstance(i, torch.Tensor) and spmd.has_local_type(i)
+            _set_local_type(o, dict(spmd.get_local_type(i)) if typed else {})
+
+
+def _pass_inputs(outputs, *, inputs):
+    _copy_types(outputs, inputs)
+
+
+def _pass_output(outputs, *, output):
+    _copy_types(outputs, output)
+
+
 def _spmd():
     import spmd_types
+    import spmd_types.checker  # noqa: F401 (the checking mode)
 
     return spmd_types
 
