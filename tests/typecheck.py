@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -315,8 +316,15 @@ def plant_verdict(name: str, limit: int | None = None, baseline: dict | None = N
     names = [c for test, c in planted_bugs.targeted(p) if test == planted_bugs.ACCEPTED_TEST][:limit]
     cases = {c.name: c for c in covering_cases()}
     found = {"caught": [], "passed": [], "other": [], "targets": len(names)}
-    with planted(p.edits):
-        planted_runs = run([cases[n] for n in names], out=lambda line: None)
+    with planted(p.edits), tempfile.TemporaryDirectory() as tmp:
+        marker = Path(tmp) / "hit"
+        saved, os.environ[planted_bugs.MARKER_VAR] = os.environ.get(planted_bugs.MARKER_VAR), str(marker)
+        try:
+            planted_runs = run([cases[n] for n in names], out=lambda line: None)
+        finally:
+            os.environ.pop(planted_bugs.MARKER_VAR) if saved is None else os.environ.update({
+                planted_bugs.MARKER_VAR: saved})
+        found["ran"] = marker.exists()  # the planted code ran in some target's step
     for v in planted_runs:
         clean = (baseline or {}).get(v.case) or run([cases[v.case]], out=lambda line: None)[0]
         if v.status == "type error" and clean.status == "passed":
@@ -338,7 +346,7 @@ def plant_report(names: list[str] | None = None, limit: int | None = None, out=p
             continue
         found = results[name] = plant_verdict(name, limit, baseline)
         checked = len(found["caught"]) + len(found["passed"]) + len(found["other"])
-        verdict = "CAUGHT" if found["caught"] else "missed"
+        verdict = "CAUGHT" if found["caught"] else "missed" if found["ran"] else "not run"
         detail = found["caught"][0][1] if found["caught"] else ""
         out(f"{name:40} {verdict} on {len(found['caught'])}/{checked} targets checked ({found['targets']} targets)"
             + (f": {found['caught'][0][0]}: {detail}" if detail else "")
