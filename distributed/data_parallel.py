@@ -74,11 +74,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
+def no_sync(model: nn.Module, skip: bool = True) -> Iterator[None]:
     """Accumulate gradients locally (no DDP all-reduce, no FSDP reduce-scatter) for a forward AND its backward
-    run inside the block; a no-op without either. FSDP then keeps each unit's unsharded gradient until the
-    backward that syncs (the memory cost of reducing once per step: docs/memory.md)."""
-    if isinstance(model, DistributedDataParallel):
+    run inside the block; a no-op without either, or with `skip` false. FSDP then keeps each unit's unsharded
+    gradient until the backward that syncs (the memory cost of reducing once per step: docs/memory.md)."""
+    if not skip:
+        yield
+    elif isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
     elif isinstance(model, FSDPModule):

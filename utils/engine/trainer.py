@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from functools import partial
 from pathlib import Path
@@ -148,7 +147,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
             sync = i == micro - 1  # reduce gradients over dp only in the last micro-batch's backward
-            with contextlib.nullcontext() if sync else no_sync(self.model):  # FSDP reads it in backward
+            with no_sync(self.model, skip=not sync):  # FSDP reads it in backward: the backward runs inside
                 with self.autocast():
                     loss = self.task.training_loss(self.model, self.raw_model.criterion, x, y, self.step) / micro
                 self.scaler.scale(loss).backward()
