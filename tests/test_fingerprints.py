@@ -182,3 +182,39 @@ def test_an_update_is_judged_by_its_gradient_weighted_statistics():
     differ) is not a deviation; a changed sum(u*g) is."""
     assert deviation([0.5, 1.0, 2.0, -3.0, 4.0], [-0.5, 1.5, 2.5, -3.0, 4.0]) == 0.0
     assert deviation([0.5, 1.0, 2.0, -3.0, 4.0], [0.5, 1.0, 2.0, -2.0, 4.0]) == pytest.approx(0.25)
+
+
+def _fingerprints(folder: Path, names: list[str], arch: str | None = None) -> Path:
+    """A run directory holding fingerprints of one step of `names` (each the same statistics), and a task.json."""
+    folder.mkdir()
+    grads = {n: [0.5, 1.0, 2.0] for n in names}
+    updates = {n: [-0.1, 0.01, 0.2, -0.05, 0.05] for n in names}
+    record = {"precision": "bf16", "layout": "test", "order": names, "steps": {"1": {"grad": grads, "update": updates}}}
+    (folder / "fingerprints.json").write_text(json.dumps(record))
+    if arch:
+        (folder / "task.json").write_text(json.dumps({"arch": arch}))
+    return folder
+
+
+def test_a_parameter_one_run_lacks_is_a_divergence_named(tmp_path, capsys):
+    """A parameter present in one run's fingerprints and absent from the other's parts there (deviation inf),
+    whatever the tolerance, and the report names it and the run that lacks it; the others agree."""
+    full = _fingerprints(tmp_path / "full", ["embed.weight", "blocks.0.mlp.fc1.bias", "norm.weight"], "gpt")
+    lacking = _fingerprints(tmp_path / "lacking", ["embed.weight", "norm.weight"], "gpt")
+    expected = "step 1, gradient pass, module blocks.0.mlp.fc1 (parameter blocks.0.mlp.fc1.bias), missing from B"
+    assert first_divergence(full, lacking, 1.0) == expected
+    assert first_divergence(lacking, full) == expected.replace("from B", "from A")
+    assert compare_main(["--diverge", str(full), str(lacking)]) == 1
+    out = capsys.readouterr().out
+    assert "step 1 gradient: 1 of 3 part (largest deviation inf, blocks.0.mlp.fc1.bias)" in out
+    assert "blocks.0.mlp.fc1.bias: recorded by A only, missing from B" in out
+    assert f"first divergence: {expected}, deviation inf > " in out
+
+
+def test_runs_of_different_models_are_refused_with_one_line(tmp_path, capsys):
+    a = _fingerprints(tmp_path / "a", ["embed.weight"], "gpt")
+    b = _fingerprints(tmp_path / "b", ["embed.weight"], "llama")
+    with pytest.raises(SystemExit) as exit_:
+        compare_main(["--diverge", str(a), str(b)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "different models" in err
