@@ -21,7 +21,7 @@ from tests.helpers import QUIET, TINY_GPT, run_main, run_ranks
 from tests.test_checkpoint import resumed_step, save, saved
 from tests.test_wikitext import load, write_text
 from utils import ConfigError
-from utils.checkpoints.checkpointer import CheckpointLoadError
+from utils.checkpoints.damage import CheckpointLoadError
 
 
 def test_cache_builds_without_flock(tmp_path, monkeypatch):

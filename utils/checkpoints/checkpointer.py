@@ -22,8 +22,7 @@ A crash (or kill -9, or a node loss) at any moment leaves every complete checkpo
 Resume (`choose_resume`, decided by rank 0 and broadcast): `latest` is a hint, not the truth. A folder
 counts only when it is complete (marker present, every file it names there); `auto` takes the newest
 complete folder and says so when `latest` names something else. A checkpoint that fails to load is set
-aside only on evidence of damage (`CorruptCheckpoint`: a missing or short file, a size or digest other than
-the marker records, a torch.save record whose headers or CRC-32 do not match, a damaged state.json), and
+aside only on evidence of damage (`CorruptCheckpoint`: what counts is in utils/checkpoints/damage.py), and
 `resume_state` falls back to the previous complete checkpoint; any other failure (a code bug, a torch or
 DCP version that cannot read it) stops every rank with the one-line error and leaves it in place
 (`CheckpointLoadError`), as does one of another model (a name or global shape this model does not have).
@@ -32,11 +31,9 @@ No file is unpickled beyond DCP's own metadata classes and tensors.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import pickletools
 import shutil
 import time
 from collections.abc import Callable
@@ -47,15 +44,8 @@ import torch
 
 from distributed.collectives import all_reduce_, barrier, broadcast_object
 from utils import ConfigError
-from utils.checkpoints.sharded_state import (
-    View,
-    damaged_records,
-    load_state,
-    read_shapes,
-    save_state,
-    transient,
-    truncated_files,
-)
+from utils.checkpoints.damage import CheckpointLoadError, CorruptCheckpoint, file_sha256, load_failure, metadata_failure
+from utils.checkpoints.sharded_state import View, load_state, read_shapes, save_state, transient
 from utils.comm import AxisGroup
 
 MARKER = "COMPLETE"
@@ -76,30 +66,6 @@ def write_durably(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-class CorruptCheckpoint(Exception):
-    """A checkpoint whose files show damage (missing, short, changed since the save, a broken record): the only
-    failure that sets a checkpoint aside and falls back to an older one."""
-
-    def __init__(self, file: Path, reason: str):
-        self.file, self.reason = file, reason
-        super().__init__(f"{file}: {reason}")
-
-
-class CheckpointLoadError(ConfigError):
-    """A checkpoint that fails to load while its files show no damage (a code bug, a torch or DCP version that
-    cannot read it): every rank stops with the one-line error and the checkpoint stays where it is."""
-
-    def __init__(self, path: Path, err: BaseException):
-        detail = " ".join(f"{type(err).__name__}: {err}".split())[:600]
-        super().__init__(f"cannot load checkpoint {path}, whose files show no damage ({detail})", "trainer.resume",
-                         "it is left in place: fix the cause (a code change, the torch version that wrote it) and "
-                         "relaunch, or resume from another step, or set trainer.resume=never")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class Checkpointer:
@@ -213,7 +179,7 @@ class Checkpointer:
         # DCP's files as saved: evidence of damage, should a load fail (state.json speaks for itself: JSON)
         sizes = {name: (tmp / name).stat().st_size for name in files if name != "state.json"}
         write_durably(tmp / MARKER, json.dumps({"step": step, "format": FORMAT, "files": files, "sizes": sizes,
-                                                "sha256": {".metadata": _sha256(tmp / ".metadata")}}))
+                                                "sha256": {".metadata": file_sha256(tmp / ".metadata")}}))
         fsync_dir(tmp)
         aside = self.dir / f".old_step_{step:07d}"
         if final.exists():  # re-saving a step (e.g. after resuming an older one): keep it until replaced
@@ -260,10 +226,7 @@ class Checkpointer:
         except Exception as err:  # a damaged pickle raises anything from EOFError to TypeError, and so may a bug
             if transient(err):
                 raise
-            if (damage := self.metadata_damage(Path(path))) is not None:
-                raise CorruptCheckpoint(Path(path) / ".metadata", f"{damage}; {' '.join(str(err).split())}") \
-                    from None
-            raise CheckpointLoadError(Path(path), err) from None
+            raise metadata_failure(Path(path), self.marker(Path(path)), err) from None
         for key, shape in view.global_shapes().items():
             if shapes.get(key) != shape:
                 there = "is missing" if key not in shapes else f"has shape {list(shapes[key])}"
@@ -280,41 +243,9 @@ class Checkpointer:
         try:
             load_state(view.tensors, Path(path), self.world)
         except Exception as err:  # DCP gathers every rank's read errors into one CheckpointException
-            if (damage := self.file_damage(Path(path))) is not None:
-                raise CorruptCheckpoint(Path(path), damage) from None
-            if any(transient(cause) for cause in getattr(err, "causes", [err])):
+            if (failure := load_failure(Path(path), self.marker(Path(path)), view.tensors, err)) is None:
                 raise
-            if broken := damaged_records(Path(path), view.tensors):
-                raise CorruptCheckpoint(Path(path), f"damaged: {'; '.join(broken)}") from None
-            raise CheckpointLoadError(Path(path), err) from None
-
-    def file_damage(self, path: Path) -> str | None:
-        """What shows a checkpoint's files damaged, cheaply (None: nothing): a data file shorter than DCP's
-        metadata says, or a file whose size differs from the one the marker records."""
-        if short := truncated_files(path):
-            return f"truncated: {', '.join(short)}"
-        recorded = (self.marker(path) or {}).get("sizes", {})
-        sizes = {name: (path / name).stat().st_size if (path / name).is_file() else None for name in recorded}
-        changed = [f"{name} ({sizes[name]} bytes, saved {n})" for name, n in sorted(recorded.items())
-                   if sizes[name] != n]
-        return f"changed since the save: {', '.join(changed)}" if changed else None
-
-    def metadata_damage(self, path: Path) -> str | None:
-        """What shows DCP's .metadata damaged (None: nothing): missing, another digest than the marker records,
-        or (a marker of before digests) bytes that are no whole pickle: cut short or garbled, as its opcodes
-        show (read without building any object; a version skew still writes a whole pickle)."""
-        file = path / ".metadata"
-        if not file.is_file():
-            return "missing"
-        recorded = (self.marker(path) or {}).get("sha256", {}).get(".metadata")
-        if recorded is not None:
-            return None if _sha256(file) == recorded else "its bytes differ from the saved ones (sha256)"
-        try:
-            for _ in pickletools.genops(file.read_bytes()):
-                pass
-        except ValueError as err:  # an unknown opcode, or bytes that end before the pickle does
-            return f"not a whole pickle ({' '.join(str(err).split())[:200]})"
-        return None
+            raise failure from None
 
     def set_aside(self, path: Path) -> Path | None:
         """Rank 0: rename a checkpoint found damaged to `bad_<name>`, out of reach of resume and pruning

@@ -23,10 +23,8 @@ it carries.
 from __future__ import annotations
 
 import contextlib
-import io
 import pickle
 import warnings
-import zipfile
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan, create_default_local_save_plan
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -48,7 +46,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
     TensorWriteData,
     WriteItem,
     WriteItemType,
@@ -233,74 +230,6 @@ def transient(err: BaseException) -> bool:
     if isinstance(err, OSError):
         return not isinstance(err, FileNotFoundError)
     return isinstance(err, dist.DistError)
-
-
-def truncated_files(folder: Path) -> list[str]:
-    """'name (have of needed bytes)' for each data file shorter than the metadata says (or missing)."""
-    needed: dict[str, int] = {}
-    for info in SafeReader(folder).read_metadata().storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    sizes = {name: (Path(folder) / name).stat().st_size if (Path(folder) / name).is_file() else 0 for name in needed}
-    return [f"{name} ({sizes[name]} of {n} bytes)" for name, n in sorted(needed.items()) if sizes[name] < n]
-
-
-def damaged_records(folder: Path, tensors: dict[str, torch.Tensor]) -> list[str]:
-    """'file at offset: what' for each tensor record this rank reads into `tensors` whose torch.save archive is
-    broken: a zip header or directory that does not parse, or a CRC-32 that does not match its bytes. Evidence
-    of damage that sizes miss; each rank checks only what it reads (the load's own plan)."""
-    metadata = SafeReader(folder).read_metadata()
-    plan = create_default_local_load_plan(tensors, metadata, strict=False)
-    records = {(info.relative_path, info.offset): info for info in (
-        metadata.storage_data[item.storage_index] for item in plan.items if item.type == LoadItemType.TENSOR)}
-    found = []
-    for _, info in sorted(records.items()):
-        if info.transform_descriptors:  # a transformed (e.g. compressed) record is no plain archive
-            continue
-        with open(Path(folder) / info.relative_path, "rb") as file:
-            if (problem := _archive_problem(_Slice(file, info.offset, info.length))) is not None:
-                found.append(f"{info.relative_path} at {info.offset}: {problem}")
-    return found
-
-
-def _archive_problem(record: io.RawIOBase) -> str | None:
-    """What is wrong with one torch.save archive (None: its headers parse and its CRCs match)."""
-    try:
-        with zipfile.ZipFile(record) as archive:
-            for member in archive.infolist():
-                with archive.open(member) as stream:  # reads and checks the member's local header
-                    while member.CRC and stream.read(1 << 24):  # CRC 0: written without CRCs, nothing to check
-                        pass  # a mismatch raises at the member's end
-    except (zipfile.BadZipFile, NotImplementedError, ValueError, EOFError) as err:  # what a garbled header raises
-        return " ".join(str(err).split())[:200]
-    return None
-
-
-class _Slice(io.RawIOBase):
-    """The bytes [start, start + length) of an open file as a seekable file of their own (one DCP record)."""
-
-    def __init__(self, file, start: int, length: int):
-        super().__init__()
-        self.file, self.start, self.length, self.pos = file, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = (0, self.pos, self.length)[whence]
-        self.pos = min(max(base + offset, 0), self.length)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        self.file.seek(self.start + self.pos)
-        got = self.file.readinto(memoryview(buffer)[:self.length - self.pos])
-        self.pos += got
-        return got
 
 
 def save_state(tensors: dict[str, torch.Tensor], folder: Path, world: AxisGroup, *,
