@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from distributed.collectives import gather_objects
 from distributed.placement import Piece, local_pieces
 from networks.blocks import SequenceRegion
+from utils.comm import Axis
 
 FILE = "fingerprints.json"
 PASSES = ("grad", "update")  # in the order a step computes them
@@ -76,7 +77,10 @@ def fingerprinted(trainer, step: int) -> Iterator[None]:
     mine = [(p.name, p.offsets, tuple(p.local.shape), where[i], {"grad": g, "update": u})
             for i, (p, g, u) in enumerate(zip(pieces, grads, updates, strict=True))]
     recorder = getattr(trainer, "activation_recorder", None)
-    mine = {"params": mine, "acts": recorder.take(step == trainer.tc.fingerprint_steps) if recorder else None}
+    acts = recorder.take(step == trainer.tc.fingerprint_steps) if recorder else None
+    if acts is not None:  # which samples and tokens this rank's outputs cover: parts of other slices always add up
+        acts["slice"] = [trainer.grid.batch.rank, trainer.grid.rank(Axis.CP)]
+    mine = {"params": mine, "acts": acts}
     world = trainer.grid.world
     entries = [mine] if world.size == 1 else gather_objects(mine, world.group)
     if trainer.grid.is_main:
@@ -219,7 +223,9 @@ def statistics(tensors: list[torch.Tensor], grads: list[torch.Tensor] | None = N
 def merge_activations(acts: list[dict | None]) -> tuple[dict[str, dict[str, list[float]]], list[str]]:
     """Every rank's activation statistics -> ({pass: {module: statistics of the single-process tensor}},
     modules in definition order): the distinct statistics of a module's output add up (the parts ranks
-    hold), identical ones count once (the copies of a replicated output)."""
+    hold), identical ones count once (the copies of a replicated output) among the ranks of one slice of the
+    batch and the tokens (`slice`: dp and cp ranks hold other samples or tokens, whose statistics add up even where
+    they happen to be equal, as the positions of two dp ranks' packed rows can be)."""
     distinct: dict[str, dict[str, set]] = {kind: {} for kind in ACTIVATION_PASSES}
     where: dict[str, tuple] = {}
     for rank in filter(None, acts):
@@ -227,9 +233,9 @@ def merge_activations(acts: list[dict | None]) -> tuple[dict[str, dict[str, list
             where[name] = min(where.get(name, tuple(defined)), tuple(defined))
         for kind in ACTIVATION_PASSES:
             for name, row in rank["stats"][kind].items():
-                distinct[kind].setdefault(name, set()).add(tuple(row))
-    totals = {kind: {name: [sum(col) for col in zip(*rows)] for name, rows in distinct[kind].items()}
-              for kind in ACTIVATION_PASSES}
+                distinct[kind].setdefault(name, set()).add((tuple(rank.get("slice", ())), tuple(row)))
+    totals = {kind: {name: [sum(col) for col in zip(*(row for _, row in rows))]
+                     for name, rows in distinct[kind].items()} for kind in ACTIVATION_PASSES}
     return totals, sorted(where, key=where.__getitem__)
 
 
