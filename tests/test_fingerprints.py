@@ -221,13 +221,14 @@ def test_runs_of_different_models_are_refused_with_one_line(tmp_path, capsys):
 
 
 def test_equal_parts_of_other_samples_add_up():
-    """Activation statistics from ranks of other batch or token slices (dp, cp) add up even where they are equal
-    (two dp ranks' packed rows can hold the same positions: a position embedding's output was counted once, half
-    the single-process figure); identical rows within one slice are copies (tp without sp) and count once."""
+    """Activation statistics from ranks of other batch slices (dp) add up even where they are equal (two dp ranks'
+    packed rows can hold the same positions: a position embedding's output was counted once, half the
+    single-process figure); identical rows within one slice are copies (tp without sp, cp before the sequence is
+    split) and count once."""
     from utils.engine.fingerprints import merge_activations
 
     where = {"pos_embed": [0, 0, 0]}
     row = {"forward": {"pos_embed": [1.0, 2.0, 3.0]}, "out_grad": {}}
-    ranks = [{"stats": row, "where": where, "slice": [dp, 0]} for dp in (0, 1) for _tp in (0, 1)]
+    ranks = [{"stats": row, "where": where, "slice": dp} for dp in (0, 1) for _tp_or_cp in (0, 1)]
     totals, modules = merge_activations(ranks)
     assert totals["forward"]["pos_embed"] == [2.0, 4.0, 6.0] and modules == ["pos_embed"]

@@ -49,7 +49,6 @@ from torch.distributed.tensor import DTensor
 from distributed.collectives import gather_objects
 from distributed.placement import Piece, local_pieces
 from networks.blocks import SequenceRegion
-from utils.comm import Axis
 
 FILE = "fingerprints.json"
 PASSES = ("grad", "update")  # in the order a step computes them
@@ -78,8 +77,8 @@ def fingerprinted(trainer, step: int) -> Iterator[None]:
             for i, (p, g, u) in enumerate(zip(pieces, grads, updates, strict=True))]
     recorder = getattr(trainer, "activation_recorder", None)
     acts = recorder.take(step == trainer.tc.fingerprint_steps) if recorder else None
-    if acts is not None:  # which samples and tokens this rank's outputs cover: parts of other slices always add up
-        acts["slice"] = [trainer.grid.batch.rank, trainer.grid.rank(Axis.CP)]
+    if acts is not None:  # which samples this rank's outputs cover: parts of other dp slices always add up (cp
+        acts["slice"] = trainer.grid.batch.rank  # ranks may hold copies: the outputs before the sequence is split)
     mine = {"params": mine, "acts": acts}
     world = trainer.grid.world
     entries = [mine] if world.size == 1 else gather_objects(mine, world.group)
@@ -223,9 +222,9 @@ def statistics(tensors: list[torch.Tensor], grads: list[torch.Tensor] | None = N
 def merge_activations(acts: list[dict | None]) -> tuple[dict[str, dict[str, list[float]]], list[str]]:
     """Every rank's activation statistics -> ({pass: {module: statistics of the single-process tensor}},
     modules in definition order): the distinct statistics of a module's output add up (the parts ranks
-    hold), identical ones count once (the copies of a replicated output) among the ranks of one slice of the
-    batch and the tokens (`slice`: dp and cp ranks hold other samples or tokens, whose statistics add up even where
-    they happen to be equal, as the positions of two dp ranks' packed rows can be)."""
+    hold), identical ones count once (the copies of a replicated output: over tp without sp, over cp before the
+    sequence is split) among the ranks of one slice of the batch (`slice`, the dp rank: other samples, whose
+    statistics add up even where they happen to be equal, as the positions of two dp ranks' packed rows can be)."""
     distinct: dict[str, dict[str, set]] = {kind: {} for kind in ACTIVATION_PASSES}
     where: dict[str, tuple] = {}
     for rank in filter(None, acts):
@@ -233,7 +232,7 @@ def merge_activations(acts: list[dict | None]) -> tuple[dict[str, dict[str, list
             where[name] = min(where.get(name, tuple(defined)), tuple(defined))
         for kind in ACTIVATION_PASSES:
             for name, row in rank["stats"][kind].items():
-                distinct[kind].setdefault(name, set()).add((tuple(rank.get("slice", ())), tuple(row)))
+                distinct[kind].setdefault(name, set()).add((rank.get("slice", 0), tuple(row)))
     totals = {kind: {name: [sum(col) for col in zip(*(row for _, row in rows))]
                      for name, rows in distinct[kind].items()} for kind in ACTIVATION_PASSES}
     return totals, sorted(where, key=where.__getitem__)
