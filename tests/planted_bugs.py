@@ -159,14 +159,12 @@ PLANTS = {
         (("distributed/pipeline/schedule.py", "        return self.scale(loss)\n",
           "        return _plant_hit(loss)\n"),),
         lambda c: c.precision == "fp16" and c.pp > 1),
-    "fsdp_master_weights_in_bf16": Plant(
-        "master weight precision (bf16 only)", "under FSDP with bf16, the norms' weights and biases are stored in "
-        "bf16 after each update (small updates are lost)",
-        (("utils/engine/trainer.py", "        self.scaler.update()\n",
-          "        self.scaler.update()\n        if self.cfg.precision.mode == 'bf16' and self.cfg.parallel.dp_mode == "
-          "'fsdp':\n            _plant_hit([p.data.copy_(p.data.bfloat16().float()) for p in "
-          "self.raw_model.parameters() if p.dim() == 1])\n"),),
-        lambda c: c.dp_mode == "fsdp" and c.precision == "bf16"),
+    "fsdp_reduces_in_bf16": Plant(
+        "FSDP reduction precision", "FSDP2's policy reduce-scatters the gradients in bf16 (a common setting for "
+        "bandwidth) where the recipe reduces in fp32: every gradient rounded to 8 bits of mantissa",
+        (("distributed/fsdp.py", "policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)",
+          "policy = MixedPrecisionPolicy(reduce_dtype=_plant_hit(torch.bfloat16))"),),
+        lambda c: c.dp_mode == "fsdp"),
     "document_block_unmasked": Plant(
         "document masks", "the ring runs a block that is only partly visible (across a document or the diagonal) "
         "without its mask, as if every pair were visible",
