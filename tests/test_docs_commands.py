@@ -55,6 +55,10 @@ NOT_RUN = {
     "python -m pytest": "the test suite itself, of which this test is part",
     "python -m tests.planted_bugs": "the plant tier, which CI runs after the suite (.ci/run); "
                                     "tests/test_planted_bugs.py checks that every plant fits the code",
+    "python -m tests.typecheck": "type-checks every covering-set layout (about 45 s per rank); "
+                                 "tests/test_typecheck.py runs 13 representative layouts and the plants it catches",
+    "python -m tests.spread": "runs the matrix's correct layouts (minutes); tests/test_spread.py checks the stored "
+                              "report and the bounds derived from it",
     "sbatch": "needs Slurm; tests/test_submit.py runs every script through a stand-in srun",
     "salloc": "needs Slurm",
     "export ": "sets a variable of the shell",
