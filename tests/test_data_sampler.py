@@ -47,3 +47,38 @@ def test_batch_signs_are_the_trainer_schemas(field):
     with pytest.raises(ConfigError) as info:
         TrainerConfig(**{field: 0})
     assert info.value.setting == f"trainer.{field}"
+
+
+def _work() -> None:
+    pass
+
+
+def test_a_forked_child_starts_its_own_forkserver(tmp_path):
+    """A process that ran the forkserver (a sweep's first point) and then forks ranks (the local launcher: a tp2
+    point): the parent's server is no child of the rank, whose `ensure_running` waited for it and raised
+    ChildProcessError; the rank forgets it (utils/data/batching.py `_forget_parent_forkserver`) and its data
+    workers start from a server of its own. Run in a subprocess: forking pytest itself is not safe."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    script = tmp_path / "fork_after_server.py"
+    script.write_text(
+        "import multiprocessing, multiprocessing.forkserver, os\n"
+        "import utils.data.batching  # noqa: F401 - its fork hook\n"
+        "def work():\n    pass\n"
+        "if __name__ == '__main__':\n"
+        "    multiprocessing.forkserver.ensure_running()\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        multiprocessing.forkserver.ensure_running()\n"
+        "        p = multiprocessing.get_context('forkserver').Process(target=work)\n"
+        "        p.start(); p.join()\n"
+        "        os._exit(p.exitcode)\n"
+        "    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "    print('child exit', code)\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.strip() == "child exit 0", proc.stdout + proc.stderr[-2000:]

@@ -35,6 +35,27 @@ from utils.comm import AxisGroup
 from utils.signals import ignore_stop_signals, stop_signals_blocked
 
 
+def _forget_parent_forkserver() -> None:
+    """In a child made by os.fork (the local launcher's ranks, forked from a sweep's process that already ran a
+    point): the parent's forkserver is no child of this process, so `ensure_running` would fail waiting for it
+    (ChildProcessError: No child processes). Forget it, and close this copy of its liveness pipe (the parent's
+    server then still ends with the parent); this process starts its own server when it needs one."""
+    server = multiprocessing.forkserver._forkserver
+    server._lock = threading.Lock()  # a lock another thread held at the fork stays held in the child
+    if getattr(server, "_forkserver_pid", None) is None:
+        return
+    if server._forkserver_alive_fd is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+    server._inherited_fds = None
+
+
+os.register_at_fork(after_in_child=_forget_parent_forkserver)
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """Index lists of this dp rank's part of each global batch, from `start_step` on, without end."""
 
