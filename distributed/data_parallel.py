@@ -74,11 +74,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def no_sync(model: nn.Module, skip: bool = True) -> Iterator[None]:
+def no_sync(model: nn.Module, skip: bool = True, *, fsdp: bool = True) -> Iterator[None]:
     """Accumulate gradients locally (no DDP all-reduce, no FSDP reduce-scatter) for a forward AND its backward
-    run inside the block; a no-op without either, or with `skip` false. FSDP then keeps each unit's unsharded
-    gradient until the backward that syncs (the memory cost of reducing once per step: docs/memory.md)."""
-    if not skip:
+    run inside the block (FSDP2 reads the flag in its post-backward hook); a no-op without either, or with `skip`
+    false. FSDP then keeps each unit's unsharded gradient until the backward that syncs (the memory cost of
+    reducing once per step: docs/memory.md); `fsdp` false leaves FSDP's units reducing every micro-batch
+    (`parallel.fsdp_reduce_every_microbatch`: gradients stay sharded)."""
+    if not skip or (isinstance(model, FSDPModule) and not fsdp):
         yield
     elif isinstance(model, DistributedDataParallel):
         with model.no_sync():

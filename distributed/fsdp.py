@@ -13,7 +13,8 @@ Gradient accumulation (several micro-batches per step, or pipeline microbatches)
 once per step, in the last micro-batch's backward (distributed/data_parallel.py `no_sync`); until then each
 unit adds to an unsharded gradient of its own, so between the first backward and the last a rank holds its
 units' whole gradients (over tp): the bytes of k-1 reduce-scatters saved for that memory (utils/plan/fsdp.py
-plans it).
+plans it). `parallel.fsdp_reduce_every_microbatch=true` takes the other side of the trade: a reduce-scatter after
+every micro-batch's backward, the gradients sharded throughout.
 
 Gradient convention (as DDP's hook here): summed over cp (each cp rank's loss covers only its own tokens
 of the same sequences) and averaged over dp, by reduce-scattering in fp32 and dividing by grid.batch's size

@@ -154,3 +154,18 @@ def test_fsdp_under_pp_holds_one_blocks_gradient_buffer_in_backward(tmp_path, co
     assert all(len(r) == 4 for r in rises), rises  # 2 steps of 2 microbatches
     worst = max(r[3] for r in rises)
     assert worst < 5, f"a microbatch's backward rose by {worst:.1f} blocks' weights: {rises}"
+
+
+ACCUMULATED = [["parallel.dp=2"], ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=gpipe"]]
+
+
+@pytest.mark.parametrize("layout", ACCUMULATED, ids=["dp2", "pp2dp2"])
+def test_fsdp_accumulation_trains_the_same_model_however_often_it_reduces(layout, tmp_path, era5_root):
+    """Two micro-batches per step under FSDP in fp32: reduce-scattering once, in the last backward (the default),
+    or after every micro-batch (`parallel.fsdp_reduce_every_microbatch=true`) sums the same gradients: the same
+    curve up to reduction order."""
+    args = [*layout, "parallel.dp_mode=fsdp", "trainer.grad_accum_steps=2", "precision=fp32",
+            "trainer.global_batch_size=8"]
+    once = _curve(tmp_path, era5_root, "once", *args)
+    every = _curve(tmp_path, era5_root, "every", *args, "parallel.fsdp_reduce_every_microbatch=true")
+    assert len(once) == STEPS + 1 and every == pytest.approx(once, rel=1e-5)

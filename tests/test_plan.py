@@ -387,3 +387,10 @@ def test_fsdp_accumulation_reduce_scatters_once_per_step(layout, monkeypatch):
     assert units >= 2 and [planned[k].reduce_scatters for k in (1, 2, 4)] == [units] * 3, planned
     one, two, four = (planned[k].comm_bytes["dp"] for k in (1, 2, 4))
     assert four - two == 2 * (two - one) > 0  # each extra micro-batch adds its gathers only
+    # parallel.fsdp_reduce_every_microbatch: sharded gradients throughout, a reduce-scatter per micro-batch
+    counts.clear()
+    cfg = load_config([*FSDP_TINY, *layout, "parallel.dp_mode=fsdp", "trainer.grad_accum_steps=2",
+                       "parallel.fsdp_reduce_every_microbatch=true"])[0]
+    every = measure_layout(cfg, 4 if "parallel.pp=2" in layout else 2)
+    backwards = 2 * (2 if "parallel.pp=2" in layout else 1)  # micro-batches x the schedule's microbatches
+    assert sum(counts) == backwards * planned[2].reduce_scatters and every.comm_bytes["dp"] > two

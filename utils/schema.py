@@ -69,6 +69,9 @@ class ParallelConfig:
     pp_stages_per_rank: int = 0  # stages per pp rank: 1 for gpipe/1f1b, 2 for zbv/dualpipev; 0 = that (2 for loops)
     dp_mode: str = "ddp"  # ddp (full replicas) | fsdp (FSDP2: weights, gradients, Adam state sharded over dp x cp)
     fsdp_reshard_after_forward: bool = True  # fsdp: free gathered weights after forward (ZeRO-3), else keep (ZeRO-2)
+    # fsdp with several micro-batches per step: false, reduce-scatter once, in the last backward (each unit keeps its
+    # unsharded gradient until then); true, every micro-batch (gradients stay sharded; k x the reduce-scatter bytes)
+    fsdp_reduce_every_microbatch: bool = False
     init_timeout_s: int = 600  # timeout of collectives: a missing rank fails the job, never hangs
 
     def __post_init__(self):

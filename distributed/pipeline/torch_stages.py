@@ -42,6 +42,7 @@ class CountedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.axis = axis
         self.last_chunk = True  # the optimizer step's last accumulation chunk runs (Pipeline.train_step sets it)
+        self.reduce_every_microbatch = False  # parallel.fsdp_reduce_every_microbatch (build_stages sets it)
         self.reset_busy()
 
     def reset_busy(self) -> None:
@@ -71,9 +72,10 @@ class CountedStage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         """A microbatch's backward, with FSDP's reduce-scatter only in the step's last one: the schedule's last
-        microbatch (`last_backward`) of the last accumulation chunk. torch syncs a stage only when the stage
-        module itself is FSDP's; here its units sit inside (distributed/fsdp.py `root_over_stage`)."""
-        set_gradient_sync(self.submod, last_backward and self.last_chunk)
+        microbatch (`last_backward`) of the last accumulation chunk, or every microbatch's with
+        `reduce_every_microbatch`. torch syncs a stage only when the stage module itself is FSDP's; here its units
+        sit inside (distributed/fsdp.py `root_over_stage`)."""
+        set_gradient_sync(self.submod, self.reduce_every_microbatch or (last_backward and self.last_chunk))
         try:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         finally:
@@ -100,8 +102,9 @@ class CountedStage(PipelineStage):
 
 
 def build_stages(model: nn.Module, plan: PipelinePlan, *, axis: AxisGroup, example: torch.Tensor, length: int,
-                 out_dtype: torch.dtype, autocast) -> list[CountedStage]:
-    """This rank's torch stages, with static shapes for one microbatch like `example` (meta is fine)."""
+                 out_dtype: torch.dtype, autocast, reduce_every_microbatch: bool = False) -> list[CountedStage]:
+    """This rank's torch stages, with static shapes for one microbatch like `example` (meta is fine);
+    `reduce_every_microbatch`: FSDP's units inside reduce-scatter after every microbatch's backward."""
     device = next(model.parameters()).device
     mb = example.shape[0]
     stages = []
@@ -117,4 +120,5 @@ def build_stages(model: nn.Module, plan: PipelinePlan, *, axis: AxisGroup, examp
         stages.append(CountedStage(module, index, plan.num_stages, device, axis=axis,
                                    input_args=example if index == 0 else hidden,
                                    output_args=output if module.is_last else hidden, group=axis.group))
+        stages[-1].reduce_every_microbatch = reduce_every_microbatch
     return stages

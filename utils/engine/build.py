@@ -120,7 +120,8 @@ def build_pipeline(cfg: Config, task: Task, grid: Grid, model: nn.Module, plan: 
     mode = cfg.precision.mode
     out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
     stages = build_stages(model, plan, axis=grid.axis(Axis.PP), example=example, length=task.tokens_per_sample(),
-                          out_dtype=out_dtype, autocast=partial(autocast, mode, grid.device))
+                          out_dtype=out_dtype, autocast=partial(autocast, mode, grid.device),
+                          reduce_every_microbatch=cfg.parallel.fsdp_reduce_every_microbatch)
     for stage in stages:  # FSDP: one root over each stage's blocks (else none is applied)
         root_over_stage(stage.submod.blocks, grid=grid)
     return Pipeline(model, stages, plan, grid), PipelineForward(model, [s.submod for s in stages], plan, grid)

@@ -208,7 +208,8 @@ def plan_measured(cfg, full: Measured, hw: Hardware, world: int, overrides: list
     plan.grads_meet_activations = par.dp * par.cp > 1 or cfg.trainer.grad_accum_steps > 1 or par.pp > 1
     if full.units or full.root_bytes:
         plan.gathered_bytes = gathered_peak(full.units, full.root_bytes, cfg.parallel.fsdp_reshard_after_forward,
-                                            accumulating=microbatches_per_step(cfg) > 1)
+                                            accumulating=microbatches_per_step(cfg) > 1
+                                            and not cfg.parallel.fsdp_reduce_every_microbatch)
     flops = full.flops_per_sample * cfg.trainer.global_batch_size / world
     plan.compute_s = flops / (peak_tflops(hw, cfg.precision.mode) * 1e12 * hw.efficiency)
     bubble = pipeline_bubble(cfg)
