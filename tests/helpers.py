@@ -120,6 +120,13 @@ def _pooled(rank: int, world_size: int, init_file: str, timeout_s: float, fn: Ca
 SOURCE_DIRS = ("networks", "distributed", "utils")  # the code under test (an assert there is an invariant's)
 
 
+def in_code_under_test(path: str | Path) -> bool:
+    """Whether a source file belongs to the code under test (SOURCE_DIRS of this repository): an assert raised
+    there is an invariant of that code, not a test's comparison."""
+    resolved = Path(path).resolve()
+    return resolved.is_relative_to(ROOT) and resolved.relative_to(ROOT).parts[0] in SOURCE_DIRS
+
+
 class RankAssertion(AssertionError):
     """A rank failed an assertion of the test's own code (a comparison made on the rank), as opposed to an error
     or an assert of the code under test, which stay RuntimeErrors: tests/planted_bugs.py counts only the former as
@@ -129,12 +136,9 @@ class RankAssertion(AssertionError):
 def rank_failure(rank: int, error: str) -> Exception:
     """The exception `run_ranks` raises for a rank's traceback `error`: RankAssertion when it ends in an
     AssertionError raised outside the code under test (SOURCE_DIRS), else RuntimeError."""
-    files = [Path(f) for f in re.findall(r'^  File "([^"]+)", line \d+', error, re.M)]
+    files = re.findall(r'^  File "([^"]+)", line \d+', error, re.M)
     tail = error[error.rfind('  File "'):] if files else error
-    innermost = files[-1].resolve() if files else None
-    in_source = innermost is not None and innermost.is_relative_to(ROOT) and \
-        innermost.relative_to(ROOT).parts[0] in SOURCE_DIRS
-    if re.search(r"^AssertionError\b", tail, re.M) and not in_source:
+    if re.search(r"^AssertionError\b", tail, re.M) and not (files and in_code_under_test(files[-1])):
         return RankAssertion(f"rank {rank} failed an assertion:\n{error}")
     return RuntimeError(f"rank {rank} failed:\n{error}")
 

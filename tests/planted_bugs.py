@@ -229,7 +229,7 @@ def _kind(excinfo, matrix: bool) -> tuple[str, float | None]:
     (`matrix`), and outside them an
     AssertionError raised by the test or by a testing library (torch.testing, numpy.testing: the margin read from
     their message; inf for an exact comparison), never one raised inside the code under test."""
-    from tests.helpers import SOURCE_DIRS
+    from tests.helpers import in_code_under_test
     from tests.matrix import Mismatch
 
     if excinfo.typename == "Skipped":
@@ -238,8 +238,7 @@ def _kind(excinfo, matrix: bool) -> tuple[str, float | None]:
         return "mismatch", getattr(excinfo.value, "margin", math.inf)
     if matrix or not excinfo.errisinstance(AssertionError):
         return "crash", None
-    raised = Path(str(excinfo.traceback[-1].path)).resolve()
-    if raised.is_relative_to(ROOT) and raised.relative_to(ROOT).parts[0] in SOURCE_DIRS:
+    if in_code_under_test(str(excinfo.traceback[-1].path)):
         return "crash", None
     return "mismatch", assertion_margin(str(excinfo.value))
 
