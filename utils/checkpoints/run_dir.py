@@ -145,6 +145,38 @@ def read_layout(run_dir: Path) -> dict[str, object] | None:
     """A run's layout.json (see `layout_facts`), or None for a run directory without one."""
     return read_facts(run_dir, LAYOUT_FILE)
 
+def complete_step(folder: Path) -> bool:
+    """A step folder whose COMPLETE marker is present and names only files that are there."""
+    from utils.checkpoints.checkpointer import Checkpointer
+
+    marker = Checkpointer.marker(folder) if folder.is_dir() else None
+    return marker is not None and isinstance(marker.get("files"), list) and all(
+        (folder / name).is_file() for name in marker["files"])
+
+
+def resolve_step(path: Path, setting: str) -> Path:
+    """The step folder a tool should read for what a user has in hand: a step_* folder itself, a run
+    directory or its checkpoints/ folder (the newest complete step), or checkpoints/latest (the step it
+    names). Anything else is refused in one line that lists the complete steps that do exist nearby."""
+    path = Path(path)
+    if path.name == "latest" and path.is_file():
+        path = path.parent / path.read_text().strip()
+    if complete_step(path):
+        return path
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not path.name.startswith("step_") and folder.is_dir():
+        steps = sorted((p for p in folder.glob("step_*") if complete_step(p)), reverse=True)
+        require(bool(steps), f"{path} holds no complete checkpoint", setting,
+                "train the run until it saves one (trainer.ckpt_every), or give a step_* folder")
+        return steps[0]
+    nearby = path.parent if path.parent.name == "checkpoints" else folder / "checkpoints"
+    steps = sorted(p.name for p in nearby.glob("step_*") if complete_step(p)) if nearby.is_dir() else []
+    what = "is not a complete checkpoint" if path.is_dir() else "does not exist"
+    fix = f"pick one of the complete steps in {nearby}: {', '.join(steps)}" if steps else \
+        "give a run directory, its checkpoints/ folder or a step_* folder"
+    raise ConfigError(f"{path} {what}", setting, fix)
+
+
 def load_run(checkpoint: Path, data_kind: str, data_overrides: list[str] = ()):
     """(family, model config, data config) of the run a step folder belongs to (its run directory's
     config.yaml, through the family registry), for tools that read a checkpoint in one process. The run
