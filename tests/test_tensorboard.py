@@ -105,8 +105,8 @@ def test_absent_mfu_is_explained(vit_run):
     acc = events(vit_run)
     assert "perf/mfu" not in acc.Tags()["scalars"]  # the CPU has no peak
     [(_, note)] = texts(acc, "notes")
-    assert note.startswith("perf/mfu is not logged") and "the CPU" in note and "H100" in note
-    assert note in (vit_run / "train.log").read_text()
+    assert note.startswith("perf/mfu is not logged") and "the CPU" in note and len(note) < 120  # short
+    assert (vit_run / "train.log").read_text().count(note) == 1  # once, at the run's start
 
 
 def test_u10m_figure_has_titled_panels_on_one_colour_scale():

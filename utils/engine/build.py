@@ -277,7 +277,7 @@ def start_run(trainer: Trainer, config_yaml: str) -> None:
     log.info(param_bytes_report(trainer.raw_model, trainer.optimizer))
     if (notice := precision_notice(cfg.precision.mode, grid.device)) is not None:
         log.warning(notice)
-    for note in notes:
+    for note in notes if trainer.step == 0 else ():  # once, at a run's start (TensorBoard keeps it)
         log.info(note)
     if grid.size(Axis.TP) > 1 and (note := sequence_parallel_notice(cfg.parallel.sequence_parallel, grid.device)):
         log.info(note)

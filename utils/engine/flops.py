@@ -97,8 +97,5 @@ def mfu_absence(device: torch.device, precision: str) -> str | None:
     """Why perf/mfu is not logged on this device (None when it is)."""
     if peak_tflops(device, precision) is not None:
         return None
-    known = ", ".join(PEAK_TFLOPS)
     where = ("the CPU" if device.type != "cuda" else f"'{device_name(device)}'")
-    return (f"perf/mfu is not logged: it divides perf/tflops_per_sec by the device's dense peak for {precision}, "
-            f"and utils/engine/flops.py knows the peak of {known} only, not of {where}; "
-            "perf/tflops_per_sec (the model's FLOPs per second per device) is logged")
+    return f"perf/mfu is not logged: no {precision} peak known for {where} (flops.PEAK_TFLOPS); perf/tflops_per_sec is"
