@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,25 +44,39 @@ def is_person_terminal(stream=sys.stdout, environ=os.environ) -> bool:
 
 class Progress:
     """A live status line (step, loss, samples/s, ETA) on a person's terminal; plain log lines otherwise
-    (every `trainer.log_every` steps: a pipe, a file, a Slurm job log)."""
+    (every `trainer.log_every` steps: a pipe, a file, a Slurm job log). `work(step)`: model calls per sample
+    at optimizer step `step` (0-based; the rollout curriculum's K, `Task.rollout_length`): the line shows K
+    when it is not 1, and the ETA weighs the steps left by it, timed from the end of the first step taken."""
 
-    def __init__(self, log: logging.Logger, max_steps: int, log_every: int, is_main: bool):
-        self.log, self.max_steps, self.log_every = log, max_steps, log_every
+    def __init__(self, log: logging.Logger, max_steps: int, log_every: int, is_main: bool,
+                 work: Callable[[int], int] = lambda step: 1):
+        self.log, self.max_steps, self.log_every, self.work = log, max_steps, log_every, work
         self.live = is_main and is_person_terminal()
         self.enabled = is_main
         self.start = time.perf_counter()
         self.start_step: int | None = None
+        self.done_work: list[int] | None = None  # [i]: the work of steps 1..i (counted from 1)
+
+    def work_until(self, step: int) -> int:
+        """The work of the steps 1..`step` (counted from 1, as `update` counts them)."""
+        if self.done_work is None:
+            self.done_work = [0]
+            for i in range(self.max_steps):
+                self.done_work.append(self.done_work[-1] + self.work(i))
+        return self.done_work[min(step, self.max_steps)]
 
     def update(self, step: int, loss: float, samples_per_sec: float, lr: float) -> None:
         """`step`: optimizer steps completed, counting this one."""
         if not self.enabled:
             return
-        if self.start_step is None:
-            self.start_step, self.start = step - 1, time.perf_counter()
-        per_step = (time.perf_counter() - self.start) / max(1, step - self.start_step)
-        eta = per_step * (self.max_steps - step)
-        text = (f"step {step}/{self.max_steps} loss {loss:.5f} lr {lr:.3g} "
-                f"{samples_per_sec:.1f} samples/s ETA {eta:.0f}s")
+        if self.start_step is None:  # the first step taken (compilation, warm-up) does not time the rest
+            self.start_step, self.start = step, time.perf_counter()
+        done = self.work_until(step) - self.work_until(self.start_step)
+        per_work = (time.perf_counter() - self.start) / done if done else None
+        eta = "?" if per_work is None else f"{per_work * (self.work_until(self.max_steps) - self.work_until(step)):.0f}s"
+        rollout = f"K={self.work(step - 1)} " if self.work_until(self.max_steps) != self.max_steps else ""
+        text = (f"step {step}/{self.max_steps} loss {loss:.5f} lr {lr:.3g} {rollout}"
+                f"{samples_per_sec:.1f} samples/s ETA {eta}")
         if self.live:
             sys.stdout.write("\r" + text + " " * 8)
             sys.stdout.flush()

@@ -50,7 +50,7 @@ class Trainer:
         self.batch = grid.batch  # the loss is averaged over the ranks that split the batch
         self.checkpointer = checkpointer
         self.tb = TensorBoard(run_dir, grid.is_main, images=self.tc.log_images)
-        self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main)
+        self.progress = Progress(log, self.tc.max_steps, self.tc.log_every, grid.is_main, task.rollout_length)
         self.flops_per_sample = built.flops_per_sample
         self.skipped_steps, self.consecutive_skips = 0, 0  # trainer.nonfinite=skip
         self.stop_requested = False  # a stop signal on this rank when the next step begins

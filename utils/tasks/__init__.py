@@ -64,6 +64,10 @@ class Task(Protocol):
                       step: int) -> torch.Tensor:
         """The loss of a training micro-batch at optimizer step `step` (0-based), to be backpropagated."""
 
+    def rollout_length(self, step: int) -> int:
+        """Model calls per training sample at optimizer step `step` (0-based): the weather task's rollout
+        curriculum K, 1 for one-step tasks (the log shows it; the ETA weighs the steps left by it)."""
+
     def evaluate(self, model: nn.Module, criterion: nn.Module, loader, *, grid: Grid, autocast, writer,
                  step: int) -> dict[str, float]:
         """val/loss and the task's metrics over the validation loader, reduced over the grid."""

@@ -109,6 +109,10 @@ class LanguageTask:
     def tokens_per_sample(self) -> int:
         return self.cfg.seq_len
 
+    @staticmethod
+    def rollout_length(step: int) -> int:
+        return 1  # one model call per sample
+
     def training_loss(self, model: nn.Module, criterion: nn.Module, x: torch.Tensor, y: torch.Tensor,
                       step: int) -> torch.Tensor:
         return criterion(model(x), y)

@@ -109,6 +109,13 @@ class WeatherTask:
 
     def describe(self) -> str:
         text = f"{self.train_set.reader.describe()}: {len(self.train_set)} train / {len(self.val_set)} valid pairs"
+        pairs, times = self.train_set, sum(self.train_set.reader.segment_lengths)
+        if len(pairs) == pairs.offsets[-1]:  # not limited: say why there are fewer pairs than times
+            text += (f" (of {times} train times, the last {pairs.dt * pairs.horizon} of each file have no target "
+                     f"{pairs.horizon} x data.dt={pairs.dt} steps ahead)")
+        if self.train_horizon > 1:
+            text += (f"; rollout training: K={self.rollout_length(0)} at step 0" + (
+                f", +1 every {self.curriculum} steps up to {self.train_horizon}" if self.curriculum else ""))
         if self.rollouts is not None:
             text += (f"; rollouts of {self.eval.steps} steps from {self.eval.inits} initial times"
                      + ("" if self.rollouts.climatology is not None else
