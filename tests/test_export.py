@@ -84,7 +84,7 @@ def test_export_loads_into_a_plain_model_and_imports_back(tmp_path, gpt, monkeyp
 def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["export", str(tmp_path), str(tmp_path / "x.pt")])
-    assert info.value.code == 2 and "is not a complete checkpoint" in capsys.readouterr().err
+    assert info.value.code == 2 and "holds no complete checkpoint" in capsys.readouterr().err
     torch.save({"weight": torch.zeros(2)}, tmp_path / "bare.pt")
     with pytest.raises(SystemExit):
         main(["import", str(tmp_path / "bare.pt"), str(tmp_path / "run")])

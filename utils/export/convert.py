@@ -40,7 +40,7 @@ from utils import ConfigError, exit_bad_input, require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer
 from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_folder
-from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts
+from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts, resolve_step
 from utils.checkpoints.sharded_state import SafeReader, iter_full
 from utils.comm import Grid
 from utils.data.tokenizers import PretrainedTokenizer
@@ -180,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.export", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     out = sub.add_parser("export", help="checkpoint folder -> one torch.save file")
-    out.add_argument("checkpoint", type=Path)
+    out.add_argument("checkpoint", type=Path, help="a step_* folder, or a run directory: its newest complete step")
     out.add_argument("file", type=Path)
     back = sub.add_parser("import", help="torch.save file -> a checkpoint of a run directory")
     back.add_argument("file", type=Path)
     back.add_argument("run_dir", type=Path)
     out_hf = sub.add_parser("export-hf", help="checkpoint folder of a GPT-2 or Llama run -> a Hugging Face folder")
-    out_hf.add_argument("checkpoint", type=Path)
+    out_hf.add_argument("checkpoint", type=Path, help="a step_* folder, or a run directory: its newest complete step")
     out_hf.add_argument("folder", type=Path)
     out_hf.add_argument("--tokenizer", type=Path, help="tokenizer folder or tokenizer.json to copy (default: the run's "
                         "data.tokenizer when it is a path)")
@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     in_hf.add_argument("--vocab-multiple", type=int, default=64, help="pad the vocabulary as model.vocab_multiple")
     args = parser.parse_args(argv)
     try:
+        if args.command in ("export", "export-hf"):  # a run directory, checkpoints/ or latest: the step it names
+            given, args.checkpoint = args.checkpoint, resolve_step(args.checkpoint, "CHECKPOINT")
+            if args.checkpoint != given:
+                print(f"reading {args.checkpoint} (from {given})", file=sys.stderr)
         if args.command == "export":
             state = export_checkpoint(args.checkpoint, args.file)
             count = sum(t.numel() for t in state["model"].values())
