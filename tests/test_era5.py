@@ -103,3 +103,18 @@ def test_synthetic_dynamics_move(era5_root):
     rel = ((y - x).norm() / y.norm()).item()
     corr = torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1].item()
     assert 0.05 < rel < 0.6 and corr > 0.8
+
+
+# What a field in these units plausibly spans on Earth (loose: synthetic fields need only read as such).
+PLAUSIBLE_RANGE = {"K": (180.0, 330.0), "Pa": (5.0e4, 1.1e5), "m/s": (-80.0, 80.0), "m^2/s^2": (-3.0e3, 2.6e5),
+                   "%": (0.0, 100.0), "kg/m^2": (0.0, 80.0)}
+
+
+def test_synthetic_fields_read_in_their_units(era5_root):
+    from utils.data.era5 import CHANNELS, nersc_channel
+
+    with h5py.File(era5_root / "train" / "2016.h5") as f:
+        fields = f["fields"][:]
+    for c, name in enumerate(CHANNELS):
+        low, high = PLAUSIBLE_RANGE[nersc_channel(name).units]
+        assert low <= fields[:, c].min() and fields[:, c].max() <= high, name

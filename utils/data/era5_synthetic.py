@@ -24,7 +24,7 @@ NUM_CHANNELS = 20  # the NERSC layout's (utils/data/era5.py CHANNELS)
 YEARS = {"train": [2016, 2017], "valid": [2018], "test": [2019]}
 STEPS_PER_YEAR = {"train": 64, "valid": 32, "test": 16}
 NUM_WAVES = 12
-VERSION = 1
+VERSION = 2  # 2: fields in their channels' units (PLAUSIBLE)
 
 
 def latitudes() -> np.ndarray:
@@ -32,15 +32,24 @@ def latitudes() -> np.ndarray:
     return np.linspace(90, -90, GRID[0], endpoint=False) - 90.0 / GRID[0]
 
 
+# Each channel's value at the poles and its equator-to-pole difference (the 20 channels of utils/data/era5.py's
+# CHANNELS, in file order, in their units there): fields are mapped onto them, so a channel reads in its units.
+PLAUSIBLE = [(-4.0, 8.0), (-2.0, 4.0), (240.0, 50.0), (8.5e4, 1.5e4), (9.95e4, 2.0e3),  # u10m v10m t2m sp msl
+             (240.0, 35.0), (-4.0, 8.0), (-2.0, 4.0), (-1.0e3, 1.5e3), (-4.0, 12.0),  # t850 u1000 v1000 z1000 u850
+             (-2.0, 4.0), (1.2e4, 3.0e3), (5.0, 15.0), (-3.0, 6.0), (4.9e4, 9.0e3),  # v850 z850 u500 v500 z500
+             (228.0, 40.0), (1.95e5, 1.5e4), (30.0, 30.0), (50.0, 30.0), (5.0, 40.0)]  # t500 z50 r500 r850 tcwv
+
+
 def _channel_climatology(lat: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean field (C, H, 1) and anomaly scale (C,), in loosely physical units."""
+    """Per-channel mean field (C, H, 1) and anomaly scale (C,) in the channels' units: random shapes, each
+    mapped linearly onto its PLAUSIBLE pole value and equator-to-pole difference."""
     coslat = np.cos(np.deg2rad(lat))[None, :, None]
-    offset = rng.uniform(-1, 1, size=(NUM_CHANNELS, 1, 1)) * 10.0
-    offset[2] += 250.0  # t2m ~ kelvin
-    offset[3] += 1000.0  # sp ~ hPa
+    rng.uniform(size=NUM_CHANNELS)  # version 1's offsets: drawn still, so the waves (and normalised fields) stay
     amplitude = rng.uniform(5, 40, size=(NUM_CHANNELS, 1, 1))
     scale = rng.uniform(1, 10, size=NUM_CHANNELS)
-    return offset + amplitude * coslat, scale
+    pole, difference = (np.array(column)[:, None, None] for column in zip(*PLAUSIBLE))
+    gain = difference / amplitude  # version 1's fields, linearly mapped: the anomalies scale with the difference
+    return pole + difference * coslat, gain[:, 0, 0] * scale
 
 
 def _waves(rng: np.random.Generator, num_channels: int = NUM_CHANNELS) -> dict[str, np.ndarray]:
