@@ -104,17 +104,18 @@ def one_line(code: int, err: str, *needles: str) -> None:
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     weather = tmp_path / "weather"
     (weather / "checkpoints" / "step_0000001").mkdir(parents=True)
+    (weather / "checkpoints" / "step_0000001" / "COMPLETE").write_text('{"files": []}')  # complete, naming no file
     (weather / "config.yaml").write_text(load_config(["model=vit_tiny"])[2])
     (tmp_path / "empty.txt").write_text("\n\n")
     folder, prompt = str(weather / "checkpoints" / "step_0000001"), ["--prompt", "the"]
-    for args, needle in (([str(tmp_path / "missing"), *prompt], "is not a folder"),
+    for args, needle in (([str(tmp_path / "missing"), *prompt], "does not exist"),
                          ([folder, *prompt], "not of a GPT or Llama model"),
                          ([folder, *prompt, "--top-p", "0"], "--top-p"),
                          ([folder, *prompt, "--top-p", "1.5"], "--top-p"),
                          ([folder, *prompt, "--temperature", "-1"], "--temperature"),
                          ([folder, *prompt, "--max-new-tokens", "0"], "--max-new-tokens"),
                          ([folder, "--prompts", str(tmp_path / "empty.txt")], "holds no prompt"),
-                         ([str(tmp_path), *prompt], "not a step folder")):
+                         ([str(tmp_path), *prompt], "holds no complete checkpoint")):
         one_line(*run_main("utils.generate.command", *args)[::2], needle)
 
 

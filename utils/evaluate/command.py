@@ -1,14 +1,17 @@
 """Multiple-choice evaluation of a language model: a checkpoint of any layout, or a Hugging Face folder.
 
+    python -m utils.evaluate runs/<run> --task items.jsonl           # its newest complete step
     python -m utils.evaluate runs/<run>/checkpoints/step_0000100 --task items.jsonl
     python -m utils.evaluate hf/<name> --task items.jsonl --normalize bytes --batch 16 --output results.json
     torchrun --nproc-per-node 4 -m utils.evaluate hf/<name> --task items.jsonl --tp 2 --pp 2
 
 The items' format is utils/evaluate/items.py's (one JSON object a line: context, choices, answer); the scoring
 utils/evaluate/scoring.py's (each choice's log-likelihood given the context, summed or normalized by tokens or
-bytes). In one process the source is read as `python -m utils.generate` reads it (utils/generate/command.py:
-the run's model settings and tokenizer, every shard of any layout); launched on several ranks, the model is
-built tensor and pipeline parallel as training builds it (utils/evaluate/sharded.py), tp x pp = the ranks.
+bytes). A run directory, its checkpoints/ or checkpoints/latest stands for the step folder it names (the newest
+complete one; the step taken is printed on stderr). In one process the source is read as `python -m
+utils.generate` reads it (utils/generate/command.py: the run's model settings and tokenizer, every shard of any
+layout); launched on several ranks, the model is built tensor and pipeline parallel as training builds it
+(utils/evaluate/sharded.py), tp x pp = the ranks.
 Prints the accuracy with its standard error (rank 0); `--output FILE` writes it and every item's scores and
 prediction as JSON. Bad input (a missing folder, a bad line of the items: its number and what is wrong, ...):
 one line on stderr, exit 2, before any work.
@@ -28,12 +31,13 @@ from utils import ConfigError, exit_bad_input, require
 from utils.evaluate.items import build_requests, read_items
 from utils.evaluate.scoring import NORMALIZE, choice_scores, log_likelihoods, summarize
 from utils.evaluate.sharded import ranks_of_launch, sharded_model
-from utils.generate.command import describe_source, load_source
+from utils.generate.command import describe_source, load_source, take_source
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m utils.evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("source", type=Path, help="a step_* folder of a run, or a Hugging Face model folder")
+    p.add_argument("source", type=Path, help="a run directory (its newest complete step), a step_* folder of its "
+                   "checkpoints/, or a Hugging Face model folder")
     p.add_argument("--task", type=Path, required=True, help="a JSON Lines file of multiple-choice items")
     p.add_argument("--normalize", choices=NORMALIZE, default="sum",
                    help="a choice's score: its summed log-likelihood, per token (length) or per UTF-8 byte (bytes)")
@@ -59,6 +63,7 @@ def check_args(args) -> None:
 def load(args):
     """(model, tokenizer, device, width multiple, whether this rank prints): one process or this rank's part."""
     world = ranks_of_launch()
+    take_source(args)
     if world == 1:
         source = load_source(args)
         return source.model, source.tokenizer, torch.device(args.device), 1, True

@@ -1,10 +1,13 @@
 """Text sampled from a language model: a checkpoint of any layout, or a Hugging Face folder.
 
-    python -m utils.generate runs/<run>/checkpoints/step_0000100 --prompt "The castle" --max-new-tokens 40
+    python -m utils.generate runs/<run> --prompt "The castle" --max-new-tokens 40     # its newest complete step
+    python -m utils.generate runs/<run>/checkpoints/step_0000100 --prompt "The castle"
     python -m utils.generate hf/<name> --prompts prompts.txt --temperature 0.8 --top-k 50 --top-p 0.9 --seed 1
     torchrun --nproc-per-node 2 -m utils.generate hf/<name> --prompt "The castle" --temperature 0
 
-A checkpoint is read in one process as export reads it (every shard, any layout; the model's entries only), with
+A run directory, its checkpoints/ folder or checkpoints/latest stands for the step folder it names (the newest
+complete one: utils/checkpoints/run_dir.py `resolve_step`; the step taken is printed on stderr). A checkpoint is
+read in one process as export reads it (every shard, any layout; the model's entries only), with
 the run's model settings (config.yaml) and tokenizer (`data.tokenizer`: the word or BPE vocabulary trained on the
 run's corpus, found in its cache, or the tokenizer folder it named; `--tokenizer` overrides). A Hugging Face
 folder (GPT-2, Llama: utils/checkpoints/hf.py) brings its tokenizer.json. `--prompts FILE` holds one prompt per
@@ -13,7 +16,8 @@ padding are utils/tasks/sampling.py's. Launched on several ranks (torchrun; `pyt
 train.py), the model is built tensor parallel over them as `python -m utils.evaluate` builds it
 (utils/evaluate/sharded.py: tp = the ranks, no sequence parallelism), each rank holding its heads and their KV
 cache; every rank picks the same tokens and rank 0 prints. Each sample prints as its prompt followed by the
-continuation (up to the end-of-text token), one blank line between samples; the throughput goes to stderr.
+continuation (up to the end-of-text token), one blank line between samples; the throughput goes to stderr, and
+a warning when a prompt's words are not in the tokenizer's vocabulary (they read as its unknown token).
 Bad input (a missing folder, a checkpoint of the weather model, a top-p outside (0, 1], a tp that does not divide
 the heads, ...): one line on stderr, exit 2, before any work.
 """
@@ -30,6 +34,7 @@ import torch
 
 from utils import ConfigError, exit_bad_input, require
 from utils.comm import Axis, AxisGroup
+from utils.launch_env import launch_env
 from utils.tasks.sampling import PADDINGS, Sampling, sample
 
 
@@ -53,7 +58,8 @@ class Described:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m utils.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("source", type=Path, help="a step_* folder of a run, or a Hugging Face model folder")
+    p.add_argument("source", type=Path, help="a run directory (its newest complete step), a step_* folder of its "
+                   "checkpoints/, or a Hugging Face model folder")
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="one prompt")
     text.add_argument("--prompts", type=Path, help="a text file: one prompt per non-blank line, sampled as a batch")
@@ -124,14 +130,10 @@ def load_hf(folder: Path, tokenizer: Path | None, device: str) -> Source:
 
 def describe_checkpoint(folder: Path, tokenizer: Path | None, data: list[str]) -> Described:
     """A run's checkpoint (any layout): the run's model settings, vocabulary size and tokenizer."""
-    from utils.checkpoints.checkpointer import Checkpointer
     from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts
-    from utils.comm import Grid
 
-    _, model_cfg, data_cfg = load_run(folder, "wikitext", data)
+    _, model_cfg, data_cfg = load_run(folder, "wikitext", data)  # a complete step folder (resolve_source)
     run_dir = folder.parent.parent
-    require(Checkpointer(run_dir, Grid.serial().world).is_complete(folder), f"{folder} is not a complete checkpoint",
-            "CHECKPOINT", "give a step_* folder that holds a COMPLETE marker")
     vocab = (read_facts(run_dir, TASK_FILE) or {}).get("vocab_size")
     require(vocab is not None, f"{run_dir} records no vocabulary size (task.json)", "CHECKPOINT",
             "resume the run for one step with this version, then sample")
@@ -193,10 +195,36 @@ def ready(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return model.to(device).eval()
 
 
+SOURCE = "CHECKPOINT_OR_HF_FOLDER"  # the setting a bad source is named by
+
+
+def resolve_source(source: Path) -> tuple[Path, str | None]:
+    """(the folder to read, a line saying which step was taken or None): a Hugging Face model folder (config.json)
+    as it is, else the complete step folder that a run directory, its checkpoints/, checkpoints/latest or a step
+    folder names (utils/checkpoints/run_dir.py `resolve_step`); ConfigError for anything else."""
+    from utils.checkpoints.run_dir import resolve_step
+
+    if (source / "config.json").is_file():
+        return source, None
+    try:
+        step = resolve_step(source, SOURCE)
+    except ConfigError as err:  # the fix names the steps there are, or what to give: a Hugging Face folder too
+        fix = err.fix if err.fix.startswith("pick one of") else f"{err.fix}, or a Hugging Face model folder"
+        raise ConfigError(err.what, err.setting, fix) from None
+    return step, None if step == source else f"reading {step} (from {source})"
+
+
+def take_source(args) -> None:
+    """`args.source` resolved (`resolve_source`); rank 0 says on stderr which step a run folder stood for."""
+    args.source, taken = resolve_source(args.source)
+    if taken is not None and launch_env().rank == 0:
+        print(taken, file=sys.stderr)
+
+
 def check_source(source: Path) -> bool:
-    """Whether `source` is a Hugging Face folder (else a run's step folder); ConfigError when it is no folder."""
-    require(source.is_dir(), f"{source} is not a folder", "CHECKPOINT_OR_HF_FOLDER",
-            "give a run's step_* folder or a Hugging Face model folder")
+    """Whether `source` is a Hugging Face folder (else a run's step folder, resolved by `resolve_source`)."""
+    require(source.is_dir(), f"{source} is not a folder", SOURCE,
+            "give a run directory, a step_* folder of its checkpoints/ or a Hugging Face model folder")
     return (source / "config.json").is_file()
 
 
@@ -212,6 +240,29 @@ def load_source(args) -> Source:
     if check_source(args.source):
         return load_hf(args.source, args.tokenizer, args.device)
     return load_checkpoint(args.source, args.tokenizer, args.data, args.device)
+
+
+def unknown_words(tokenizer, lines: list[str]) -> list[str]:
+    """The words of `lines` (split at white space) that encode to the tokenizer's unknown token, in order, once
+    each; none for a tokenizer without one (a byte-level BPE never needs it)."""
+    unk, hf = getattr(tokenizer, "unk_id", None), getattr(tokenizer, "tokenizer", None)
+    if unk is None and hf is not None and getattr(hf.model, "unk_token", None):
+        unk = hf.token_to_id(hf.model.unk_token)
+    if unk is None:
+        return []
+    words = list(dict.fromkeys(word for line in lines for word in line.split()))
+    return [word for word, ids in zip(words, tokenizer.encode_batch(words), strict=True) if unk in ids]
+
+
+def unknown_warning(tokenizer, lines: list[str]) -> str | None:
+    """A one-line warning naming the prompts' words the vocabulary lacks (`unknown_words`), or None."""
+    words = unknown_words(tokenizer, lines)
+    if not words:
+        return None
+    shown = ", ".join(f'"{w}"' for w in words[:8]) + (f" and {len(words) - 8} more" if len(words) > 8 else "")
+    name = getattr(getattr(getattr(tokenizer, "tokenizer", None), "model", None), "unk_token", None) or "<unk>"
+    return (f"warning: the prompt's word{'s' if len(words) > 1 else ''} {shown} {'are' if len(words) > 1 else 'is'} "
+            f"not in the tokenizer's vocabulary; {'they read' if len(words) > 1 else 'it reads'} as {name}")
 
 
 def encode(source: Source, lines: list[str], new_tokens: int) -> list[list[int]]:
@@ -230,6 +281,7 @@ def load(args) -> tuple[Source, AxisGroup | None, str, bool]:
     from utils.evaluate.sharded import ranks_of_launch, sharded_model
 
     world = ranks_of_launch()
+    take_source(args)
     if world == 1:
         return load_source(args), None, args.device, True
     described = describe_source(args)
@@ -249,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = encode(source, lines, args.max_new_tokens)
     except ConfigError as err:
         exit_bad_input(err)
+    if main_rank and (warning := unknown_warning(source.tokenizer, lines)) is not None:
+        print(warning, file=sys.stderr)
     start = time.perf_counter()
     outs = sample(source.model, prompts, args.max_new_tokens, sampling, eos_id=source.eos_id, seed=args.seed,
                   cache=not args.no_kv_cache, padding=args.padding, tp=tp)
