@@ -27,7 +27,7 @@ from distributed.pipeline.stages import cut_for_rank
 from distributed.placement import local_pieces
 from distributed.rng import seed_default_stream
 from distributed.tensor.parallelize import parallelize, sequence_parallel_notice, sequence_parallel_on
-from utils import require
+from utils import ConfigError, require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
 from utils.checkpoints.hf_stream import read_pieces
@@ -35,6 +35,7 @@ from utils.checkpoints.run_dir import (
     check_resumable,
     flat_config,
     prepare_run_dir,
+    resolve_step,
     run_dir_for,
     write_layout,
     write_task,
@@ -184,23 +185,35 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str, digest: st
     return trainer
 
 
-def check_init_from(folder: Path, cfg: Config, task: Task) -> None:
-    """A complete checkpoint, or a Hugging Face folder of the configured language model (its config.json
-    checked against model.* and the tokenizer's vocabulary, before any work)."""
+def init_source(folder: Path) -> Path:
+    """What trainer.init_from names: a Hugging Face model folder (config.json) as it is, else the complete step
+    folder of a run directory, its checkpoints/, checkpoints/latest or a step folder (run_dir.py `resolve_step`:
+    the newest complete step); ConfigError naming the complete steps there are for anything else."""
     if (folder / "config.json").is_file():
+        return folder
+    try:
+        return resolve_step(folder, "trainer.init_from")
+    except ConfigError as err:
+        fix = err.fix if err.fix.startswith("pick one of") else f"{err.fix}, or a Hugging Face model folder"
+        raise ConfigError(err.what, err.setting, fix) from None
+
+
+def check_init_from(folder: Path, cfg: Config, task: Task) -> None:
+    """A complete checkpoint (`init_source`), or a Hugging Face folder of the configured language model (its
+    config.json checked against model.* and the tokenizer's vocabulary, before any work)."""
+    if (init_source(folder) / "config.json").is_file():
         require(cfg.model.arch in ("gpt", "llama"), f"{folder} is a Hugging Face folder, and model={cfg.model.arch} "
                 "is not a language model", "trainer.init_from", "give a checkpoint of a run of this model")
         hf.check_folder(folder, cfg.model, task.vocab_size)
-        return
-    require(Checkpointer(folder.parent.parent, Grid.serial().world).is_complete(folder),
-            f"{folder} is not a complete checkpoint", "trainer.init_from",
-            "give a step_* folder of a run's checkpoints/ that holds a COMPLETE marker, or a Hugging Face model folder")
 
 
 def init_weights_from(trainer: Trainer, folder: Path) -> None:
     """Fine-tuning: this rank's model weights from a checkpoint of any layout or a Hugging Face folder."""
-    load_model_weights(trainer.raw_model, folder, model_cfg=trainer.cfg.model, task=trainer.task, grid=trainer.grid)
-    trainer.log.info(f"model weights from {folder} (trainer.init_from); optimizer, schedule and step start afresh")
+    source = init_source(folder)
+    load_model_weights(trainer.raw_model, source, model_cfg=trainer.cfg.model, task=trainer.task, grid=trainer.grid)
+    given = "" if source == folder else f"={folder}"
+    trainer.log.info(f"model weights from {source} (trainer.init_from{given}); optimizer, schedule and step start "
+                     "afresh")
 
 
 def load_model_weights(raw: nn.Module, folder: Path, *, model_cfg, task: Task, grid: Grid) -> None:
