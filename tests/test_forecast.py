@@ -258,7 +258,7 @@ def test_the_forecast_command_refuses_bad_input_with_one_line(era5_root, corpus_
                                "trainer.max_steps=1", "trainer.global_batch_size=4", f"run.dir={lm}"], 1)
     assert [r.value for r in results] == [0]
     cases = {lm / "checkpoints" / "step_0000001": "is a checkpoint of the gpt model, not of a ViT model",
-             tmp_path / "nowhere" / "checkpoints" / "step_0000001": "is not a step folder of a run directory"}
+             tmp_path / "nowhere" / "checkpoints" / "step_0000001": "does not exist (CHECKPOINT)"}
     for checkpoint, what in cases.items():
         with pytest.raises(SystemExit) as exit_:
             main([str(checkpoint), "--out", str(tmp_path / "out")])
@@ -347,8 +347,8 @@ def test_fine_tuning_from_another_model_or_no_checkpoint_is_one_line(single, era
     code, _, err = run_main("train.py", f"data.root={era5_root}", f"run.dir={tmp_path / 'a'}",
                             f"trainer.init_from={tmp_path / 'none'}")
     assert code == 2 and err.strip().splitlines() == [
-        f"error: {tmp_path / 'none'} is not a complete checkpoint (trainer.init_from): give a step_* folder of a "
-        "run's checkpoints/ that holds a COMPLETE marker, or a Hugging Face model folder"]
+        f"error: {tmp_path / 'none'} does not exist (trainer.init_from): give a run directory, its checkpoints/ "
+        "folder or a step_* folder, or a Hugging Face model folder"]
     results = run_entry_ranks([*QUIET, f"data.root={era5_root}", f"run.dir={tmp_path / 'b'}", "model.depth=2",
                                "trainer.max_steps=1",
                                f"trainer.init_from={single / 'checkpoints' / 'step_0000001'}"], 1)

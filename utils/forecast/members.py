@@ -73,17 +73,20 @@ def ensemble_scores(members: torch.Tensor, control: torch.Tensor, truths: torch.
     return {name: torch.stack([row[name] for row in rows]) for name in rows[0]}
 
 
-def write_tables(out: Path, scores: dict[str, torch.Tensor], channels: list[str], leads: list[float]) -> list[Path]:
-    """ensemble.md, ensemble.csv and rank_histogram.csv in `out`."""
+def write_tables(out: Path, scores: dict[str, torch.Tensor], channels: list[str], leads: list[float],
+                 units: list[str] | None = None) -> list[Path]:
+    """ensemble.md (with each channel's `units`: those of CRPS, RMSE and spread), ensemble.csv and
+    rank_histogram.csv in `out`."""
+    units = dict(zip(channels, units or [""] * len(channels), strict=True))
     rows = [(channel, lead, *(float(scores[name][k, c]) for name in COLUMNS))
             for c, channel in enumerate(channels) for k, lead in enumerate(leads)]
     paths = [out / "ensemble.md", out / "ensemble.csv", out / "rank_histogram.csv"]
     with paths[1].open("w", newline="") as f:
         csv.writer(f).writerows([("channel", "lead_h", *COLUMNS), *rows])
     cell = lambda v: "" if math.isnan(v) else f"{v:.4g}"  # noqa: E731 - a table cell
-    paths[0].write_text("| channel | lead (h) | CRPS | CRPS control | RMSE ens. mean | RMSE control | spread | "
-                        "spread/skill |\n|---|---:|---:|---:|---:|---:|---:|---:|\n" +
-                        "".join(f"| {c} | {lead} | " + " | ".join(cell(v) for v in values) + " |\n"
+    paths[0].write_text("| channel | units | lead (h) | CRPS | CRPS control | RMSE ens. mean | RMSE control | spread | "
+                        "spread/skill |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n" +
+                        "".join(f"| {c} | {units[c]} | {lead} | " + " | ".join(cell(v) for v in values) + " |\n"
                                 for c, lead, *values in rows))
     hist = scores["rank_histogram"]
     with paths[2].open("w", newline="") as f:

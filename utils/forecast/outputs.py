@@ -4,7 +4,7 @@ metrics and skill figures):
     spectra.csv              per channel and lead: the blurring figure (utils/tasks/spectra.py: forecast / truth
                              of the mid-latitude zonal energy spectra over the highest quarter of wavenumbers)
     spectra_<channel>.png    forecast and truth spectra at a few leads (u10m, t2m, z500: those the data has)
-    ensemble.md/.csv, rank_histogram.csv   with --members M (members.py)
+    ensemble.md/.csv, rank_histogram.csv   with --members M (members.py; ensemble.md with each channel's units)
     --output PATH            the forecast, its truth and the members in WeatherBench 2's layout (dataset.py)
 
 The grid, the channels' variables and the initial times come from the rollouts' reader (utils/data/fields.py).
@@ -77,5 +77,5 @@ def write_ensemble(out: Path, result: dict, leads: list[float]) -> tuple[list[Pa
 
     weights = cell_area_weights(result["task"].rollouts.latitudes)
     scores = members.ensemble_scores(result["members"], result["forecasts"], result["truths"], weights)
-    names = [c.name for c in result["task"].rollouts.reader.channels]
-    return members.write_tables(out, scores, names, leads), scores
+    table = result["task"].rollouts.reader.channels
+    return members.write_tables(out, scores, [c.name for c in table], leads, [c.units for c in table]), scores

@@ -1,23 +1,30 @@
 """Forecasts of a trained weather model: `python -m utils.forecast CHECKPOINT [--steps 20] [--init 8] --out DIR`.
 
-CHECKPOINT is a step_* folder of any layout (read in one process, as export reads it); the run's
-config.yaml beside its checkpoints/ gives the model and the data (`data.root=PATH` and other `data.` settings
-may be given after the options). From the `--init` initial times (a count, evenly spaced over the
-validation split, or their indices in the split: `--init 0,12,24`) the model rolls out `--steps` steps of
-data.dt (utils/tasks/forecast.py, WeatherBench 2's definitions), and DIR receives:
+CHECKPOINT is a step_* folder of any layout (read in one process, as export reads it), or a run directory, its
+checkpoints/ or checkpoints/latest: the step folder it names (the newest complete one, utils/checkpoints/
+run_dir.py `resolve_step`; the step taken is printed on stderr). The run's config.yaml gives the model and the
+data (`data.root=PATH` and other `data.` settings may be given after the options). From the `--init` initial
+times (a count, evenly spaced over the validation split, or their indices in the split: `--init 0,12,24`) the
+model rolls out `--steps` steps of data.dt (utils/tasks/forecast.py, WeatherBench 2's definitions), and DIR
+receives:
 
     forecast.h5      `forecast` and `truth` [inits, steps, C, H, W] float32 in physical units, `init` [inits, 2]
                      (file index, time index), attributes `channels`, `lead_hours`, `checkpoint`
-    metrics.md/.csv  RMSE, ACC and bias per channel and lead: the model, persistence and climatology
+    metrics.md/.csv  RMSE, ACC and bias per channel and lead: the model, persistence and climatology (metrics.md
+                     with each channel's units, the reader's channel table: utils/data/fields.py `Channel`)
     skill_<channel>.png   RMSE and ACC against lead time (u10m, t2m, z500: those the data has)
     map_<channel>_<lead>h.png   prediction, truth and error of the first initial time at `--map-leads`
     spectra.csv, spectra_<channel>.png   zonal energy spectra of forecast and truth and the blurring figure
                      (utils/tasks/spectra.py; outputs.py)
     ensemble.md/.csv, rank_histogram.csv   with `--members M`: M rollouts from perturbed initial states
                      (`--perturbation-std`, `--perturbation-length`, `--seed`) scored against the control forecast
-                     by CRPS, spread-skill and rank histograms (utils/tasks/ensemble.py; members.py)
+                     by CRPS, spread-skill and rank histograms (utils/tasks/ensemble.py; members.py), with units
     --output PATH    with `--output forecast.zarr` (or .nc; a relative path lies in DIR): the forecast, its truth
                      and the members in WeatherBench 2's layout (dataset.py), for xarray and WB2's evaluation
+
+It prints, for u10m, t2m and z500 (those the data has), the RMSE at the first and last lead in the channel's units
+beside persistence's (the initial state held, scored against the same truths), the blurring figure and, with
+members, the CRPS and spread-skill ratio; then one line on what good values are.
 
 Bad input (not a complete checkpoint, a run of the language model, a rollout longer than the data): one line,
 exit 2.
@@ -32,12 +39,13 @@ import sys
 from pathlib import Path
 
 from utils import ConfigError, exit_bad_input, require
-from utils.checkpoints.run_dir import load_run
+from utils.checkpoints.run_dir import load_run, resolve_step
 
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="python -m utils.forecast", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a step_* folder of a run's checkpoints/")
+    parser.add_argument("checkpoint", type=Path, help="a run directory (its newest complete step) or a step_* "
+                        "folder of its checkpoints/")
     parser.add_argument("--steps", type=int, default=20, help="autoregressive steps of data.dt (default 20)")
     parser.add_argument("--init", "--inits", dest="init", default="8",
                         help="a count of initial times evenly spaced over the validation split (default 8), or their "
@@ -61,7 +69,6 @@ def forecast(args) -> dict:
     """Roll the checkpoint's model out and return {skill, forecasts, truths, task, members, spectra}."""
     import contextlib
 
-    from utils.checkpoints.checkpointer import Checkpointer
     from utils.comm import Grid
     from utils.tasks.forecast import Rollouts, rollout_skill
     from utils.tasks.weather import ForecastEvalConfig, WeatherTaskConfig
@@ -71,13 +78,19 @@ def forecast(args) -> dict:
             f"bad --steps {args.steps} or --init {args.init!r}", "--steps/--init",
             "give a positive step count, and a positive count of initial times or their indices (0,12,24)")
     count = len(times) if times else int(args.init)
+    given, args.checkpoint = args.checkpoint, resolve_step(args.checkpoint, "CHECKPOINT")
+    if args.checkpoint != given:
+        print(f"reading {args.checkpoint} (from {given})", file=sys.stderr)
     family, model_cfg, data_cfg = load_run(args.checkpoint, "era5", args.data)
-    require(Checkpointer(args.checkpoint.parent.parent, Grid.serial().world).is_complete(args.checkpoint),
-            f"{args.checkpoint} is not a complete checkpoint", "CHECKPOINT",
-            "give a step_* folder that holds a COMPLETE marker")
     settings = WeatherTaskConfig(eval=ForecastEvalConfig(every=1, steps=args.steps, inits=count))
     task = family.task(data_cfg, model_cfg, settings, build=family.build)
-    task.load_data()
+    try:
+        task.load_data()  # the rollouts of --steps from --init initial times: task.eval's, named by our options
+    except ConfigError as err:
+        if err.setting != "task.eval.steps":
+            raise
+        fix = err.fix.replace("task.eval.steps", "--steps").replace("fewer task.eval.inits", "fewer --init")
+        raise ConfigError(err.what, "--steps", fix) from None
     if times:
         task.rollouts = Rollouts.of(task.val_set, args.steps, count, [int(t) for t in times], "--init")
     model = task.build_model()
@@ -162,8 +175,10 @@ def write_outputs(args, result: dict) -> list[Path]:
     with written[2].open("w", newline="") as f:
         csv.writer(f).writerows([("channel", "lead_h", "forecast", "rmse", "acc", "bias"), *rows])
     cell = lambda v: "" if math.isnan(v) else f"{v:.4g}"  # noqa: E731 - undefined ACC (climatology): empty
-    written[1].write_text("| channel | lead (h) | forecast | RMSE | ACC | bias |\n|---|---:|---|---:|---:|---:|\n" +
-                          "".join(f"| {c} | {lead} | {n} | {cell(r)} | {cell(a)} | {cell(b)} |\n"
+    units = dict(zip(channels, channel_units(task), strict=True))
+    written[1].write_text("| channel | units | lead (h) | forecast | RMSE | ACC | bias |\n"
+                          "|---|---|---:|---|---:|---:|---:|\n" +
+                          "".join(f"| {c} | {units[c]} | {lead} | {n} | {cell(r)} | {cell(a)} | {cell(b)} |\n"
                                   for c, lead, n, r, a, b in rows))
     for channel in [c for c in SKILL_CHANNELS if c in channels]:
         c = channels.index(channel)
@@ -175,9 +190,46 @@ def write_outputs(args, result: dict) -> list[Path]:
             pred, truth = result["forecasts"][0, lead - 1, c], result["truths"][0, lead - 1, c]
             path = out / f"map_{channel}_{leads[lead - 1]}h.png"
             field_panels(pred, truth, f"{channel} at {leads[lead - 1]} h", int(args.checkpoint.name.rpartition("_")[2]),
-                         units="physical units", sample="first initial time").savefig(path)
+                         units=units[channel] or "physical units", sample="first initial time").savefig(path)
             written.append(path)
     return written + write_more(args, result, leads, [c for c in SKILL_CHANNELS if c in channels])
+
+
+def channel_units(task) -> list[str]:
+    """The units of each channel the rollouts read (the reader's channel table; "" where the source says none)."""
+    return [c.units for c in task.rollouts.reader.channels]
+
+
+GOOD = ("good: an RMSE below persistence's; blurring (the forecast's small-scale energy over the truth's) near 1, "
+        "below 1 smoothed (near 0: the small scales gone), above 1 noisier than the truth")
+GOOD_ENSEMBLE = "; spread/skill near 1 well dispersed, below 1 under-dispersive (overconfident)"
+
+
+def summary(args, result: dict) -> list[str]:
+    """The lines the command prints: what was written, then per channel (u10m, t2m, z500: those the data has, else
+    the first) with its units the RMSE at the first and last lead beside persistence's (the initial state held,
+    scored against the same truths), the blurring at the last lead and, with members, the CRPS and spread-skill
+    ratio there; last, what good values are."""
+    from utils.tasks.weather import SKILL_CHANNELS
+
+    task, skill, members = result["task"], result["skill"], result["members"]
+    channels, units, leads = task.channels, channel_units(task), task.lead_hours(args.steps)
+    lines = [f"wrote {len(result['written'])} files to {args.out}: {len(task.rollouts.starts)} rollouts of "
+             f"{args.steps} steps of {leads[0]} h"]
+    for channel in [c for c in SKILL_CHANNELS if c in channels] or list(channels[:1]):
+        c = channels.index(channel)
+        rmse = {(name, k): f"{float(skill[name]['rmse'][k, c]):.4g}" for name in ("model", "persistence")
+                for k in (0, -1)}
+        line = (f"{channel} ({units[c] or 'units not given'}): RMSE {rmse['model', 0]} at {leads[0]} h (persistence "
+                f"{rmse['persistence', 0]}), {rmse['model', -1]} at {leads[-1]} h (persistence "
+                f"{rmse['persistence', -1]}); blurring {float(result['blurring'][-1, c]):.3g} at {leads[-1]} h")
+        if members is not None:
+            scores = result["ensemble"]
+            line += (f"; {len(members)} members: CRPS {float(scores['crps'][-1, c]):.4g} (control "
+                     f"{float(scores['crps_control'][-1, c]):.4g}), spread/skill "
+                     f"{float(scores['spread_skill'][-1, c]):.3g} at {leads[-1]} h")
+        lines.append(line)
+    return [*lines, GOOD + (GOOD_ENSEMBLE if members is not None else "")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,19 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_ensemble(args)
         result = forecast(args)
-        written = write_outputs(args, result)
+        result["written"] = write_outputs(args, result)
     except ConfigError as err:
         exit_bad_input(err)
-    skill = result["skill"]["model"]
-    rollouts = len(result["task"].rollouts.starts)
-    print(f"wrote {len(written)} files to {args.out}: {rollouts} rollouts of {args.steps} steps; "
-          f"{result['task'].cfg.channels[0]} RMSE {float(skill['rmse'][0, 0]):.4g} at the first lead, "
-          f"{float(skill['rmse'][-1, 0]):.4g} at the last, blurring {float(result['blurring'][-1, 0]):.3g}")
-    if result["members"] is not None:
-        scores = result["ensemble"]
-        print(f"{len(result['members'])} members: CRPS {float(scores['crps'][-1, 0]):.4g} (control "
-              f"{float(scores['crps_control'][-1, 0]):.4g}), spread/skill {float(scores['spread_skill'][-1, 0]):.3g} "
-              "at the last lead")
+    print("\n".join(summary(args, result)))
     return 0
 
 
