@@ -222,9 +222,7 @@ def take_source(args) -> None:
 
 
 def check_source(source: Path) -> bool:
-    """Whether `source` is a Hugging Face folder (else a run's step folder, resolved by `resolve_source`)."""
-    require(source.is_dir(), f"{source} is not a folder", SOURCE,
-            "give a run directory, a step_* folder of its checkpoints/ or a Hugging Face model folder")
+    """Whether `source`, resolved by `resolve_source`, is a Hugging Face folder (else a run's step folder)."""
     return (source / "config.json").is_file()
 
 
