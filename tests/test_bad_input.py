@@ -101,3 +101,31 @@ def test_an_older_torch_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(metadata, "version", missing)
     with pytest.raises(ConfigError, match="torch is not installed"):
         require_torch()
+
+
+@pytest.mark.parametrize("script,args", [("train.py", ["model=gpt_tiny"]),
+                                         ("utils.plan.cost_model", ["model=llama_8b", "parallel.tp=8"])])
+def test_a_language_model_without_data_names_the_data_that_fits_it(script, args, tmp_path):
+    """data= left out gives a language model the default ERA5 data: the one line names the data presets that fit
+    the model (not only the weather models), for train.py and the planner alike."""
+    run_dir = [f"run.dir={tmp_path / 'run'}"] if script == "train.py" else []
+    code, out, err = run_main(script, *run_dir, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err + out, err
+    assert lines[0].startswith("error: the ") and "(data): use data=wikitext_sample, data=wikitext or data=tokens" \
+        in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_data_presets_an_error_offers_are_config_datas():
+    """utils.tasks.DATA_PRESETS (what the pairing error offers per data kind) is config/data/, preset for preset."""
+    import re
+
+    from tests.helpers import ROOT
+    from utils.tasks import DATA_PRESETS
+
+    kinds = {}
+    for preset in sorted((ROOT / "config" / "data").glob("*.yaml")):
+        (kind,) = re.findall(r"^\s*- (\w+)_schema$", preset.read_text(), re.M)
+        kinds.setdefault(kind, set()).add(preset.stem)
+    assert {kind: set(presets) for kind, presets in DATA_PRESETS.items()} == kinds

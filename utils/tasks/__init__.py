@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from utils import require
+from utils import ConfigError, require
 from utils.comm import Grid
 from utils.schema import Config
 from utils.tasks.registry import MODELS, spec_of
@@ -76,15 +76,28 @@ class Task(Protocol):
         """Multi-step forecast skill (every `rollout_every` steps; the weather task, utils/tasks/forecast.py)."""
 
 
+# The data presets (config/data/) of each data kind, the ones that need no data first: what a one-line error
+# offers for a model (tests/test_bad_input.py checks them against config/data/).
+DATA_PRESETS = {"wikitext": ("wikitext_sample", "wikitext"), "tokens": ("tokens",),
+                "era5": ("era5_synthetic", "era5"), "era5_zarr": ("era5_zarr",)}
+
+
 def check_pairing(cfg: Config) -> None:
-    """The data fits the model (exit 2 naming the models that would), the pipeline computes the task's loss,
-    then the task's own rules."""
+    """The data fits the model (exit 2 naming the data presets that fit the model, and the models that fit the
+    data), the pipeline computes the task's loss, then the task's own rules."""
     model, data = cfg.model, cfg.data
     spec = spec_of(model.arch)  # each schema checks its own arch tag
-    fits = [s for s in MODELS.values() if data.kind in s.task.DATA_SCHEMAS]
-    require(data.kind in spec.task.DATA_SCHEMAS, f"the {fits[0].task.DATA_NAME} data needs a "
-            f"{' or '.join(s.name for s in fits)} model", "model",
-            "use " + "; ".join(s.presets for s in fits) + f" with data={data.kind}*")
+    if data.kind not in spec.task.DATA_SCHEMAS:
+        # a model named on the command line meets the default data (ERA5) when data= is left out: the data
+        # presets that fit the model come first, the models that fit the data after
+        fits = [s for s in MODELS.values() if data.kind in s.task.DATA_SCHEMAS]
+        presets = [f"data={p}" for kind in spec.task.DATA_SCHEMAS for p in DATA_PRESETS.get(kind, (f"{kind}*",))]
+        owner = fits[0].task if fits else None
+        name = f"{owner.DATA_NAME} data" if owner and owner.DATA_KIND == data.kind else f"data of kind {data.kind}"
+        other = f" (or, for {name}, {'; '.join(s.presets for s in fits)})" if fits else ""
+        raise ConfigError(f"the {spec.name} model does not train on {name}", "data",
+                          f"use {' or '.join([', '.join(presets[:-1]), presets[-1]] if len(presets) > 1 else presets)}"
+                          + other)
     require(isinstance(cfg.task, spec.task.TASK_SCHEMA), f"task settings of kind {getattr(cfg.task, 'kind', '?')!r} "
             f"for the {spec.name} model", "task", "leave task as the data preset sets it (config/data/)")
     spec.task.check_config(cfg)
