@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+import utils.engine.logger  # noqa: F401 - before any capsys test: its is_person_terminal binds sys.stdout at import
 from tests.helpers import ROOT
 from utils import ConfigError
 from utils.plan.cost_model import link_gbs, main, plan_layout, table
@@ -394,3 +395,89 @@ def test_fsdp_accumulation_reduce_scatters_once_per_step(layout, monkeypatch):
     every = measure_layout(cfg, 4 if "parallel.pp=2" in layout else 2)
     backwards = 2 * (2 if "parallel.pp=2" in layout else 1)  # micro-batches x the schedule's microbatches
     assert sum(counts) == backwards * planned[2].reduce_scatters and every.comm_bytes["dp"] > two
+
+
+# What the plan assumes of the run (utils/plan/workload.py): the vocabulary, the batch, the tokens per sample
+
+
+def test_the_vocabulary_is_the_runs_own(tmp_path):
+    """--vocab, else the data's tokenizer where it can be read without the corpus (a tokenizer.json, the index of
+    data=tokens, the BPE's size), else the model preset's published one (llama_8b: Llama 3's 128256, not GPT-2's
+    50257), else GPT-2's; each with where it came from. A ViT reads none."""
+    from utils.plan.probe import LayoutConfigs
+
+    def vocab(*overrides, flag=None):
+        configs = LayoutConfigs(list(overrides), flag)
+        return configs.vocab, configs.vocab_from
+
+    assert vocab("model=llama_8b", "data=wikitext")[0] == 128256
+    assert "model=llama_8b: Llama 3's" in vocab("model=llama_8b", "data=wikitext")[1]
+    assert vocab("model=llama_8b", "data=wikitext", flag=1000) == (1000, "--vocab")
+    assert vocab("model=gpt_tiny", "data=wikitext_sample")[0] == 50257
+    assert vocab("model=llama_8b", "data=wikitext", "data.tokenizer=bpe")[0] == 8192
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    words = {"<|endoftext|>": 0, "a": 1, "b": 2}
+    (folder / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "a"}}))
+    assert vocab("model=llama_8b", "data=wikitext", f"data.tokenizer={folder}") == (3, f"data.tokenizer={folder}")
+    shard = {"tokens_file": "0.bin", "documents_file": "0.docs", "num_documents": 1, "num_tokens": 9, "dtype": "uint16",
+             "sha256": "", "documents_sha256": ""}
+    (tmp_path / "index.json").write_text(json.dumps({
+        "format": "dlscale-tokens", "version": 1, "shards": [shard],
+        "tokenizer": {"name": "toy", "vocab_size": 777, "eos_id": 0, "fingerprint": "f"}}))
+    assert vocab("model=llama_8b", "data=tokens", f"data.root={tmp_path}")[0] == 777
+    assert vocab("model=llama_8b", "data=tokens")[0] == 128256  # no root: the preset's
+    assert vocab()[0] is None
+    with pytest.raises(ConfigError, match="--vocab"):
+        vocab(flag=1000)
+
+
+def test_world_plans_a_cluster_sized_batch_and_says_so(capsys, monkeypatch):
+    """--world N without a batch of the user's plans N x the one-process 16 (the old 16 refused dp64 at --world 64),
+    sets it on every layout, and names it, the vocabulary and the tokens per sample in the header and the JSON;
+    an override or an experiment preset keeps its own batch. The search tells its progress on stderr."""
+    import utils.plan.report as report
+    from utils.plan.probe import LayoutConfigs
+    from utils.plan.workload import workload
+
+    assumed = workload(LayoutConfigs(["model=llama_8b", "data=wikitext"]), 64)
+    assert (assumed.global_batch, assumed.settings) == (1024, {"trainer.global_batch_size": 1024})
+    assert "--world 64 x 16" in assumed.line() and "256 tokens per sample (data.seq_len)" in assumed.line()
+    assert "vocabulary 128256" in assumed.line()
+    assert workload(LayoutConfigs(["trainer.global_batch_size=32"]), 64).global_batch == 32
+    assert workload(LayoutConfigs(["experiment=mp_bs16", "data=era5_synthetic"]), 64).global_batch == 16
+    assert workload(LayoutConfigs([]), 0).global_batch == 16  # one layout: its configured batch
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0.0)
+    assert main(["gpu=cpu", "--world", "2", "--jobs", "1", "--json", "model.depth=1"]) == 0
+    out, err = capsys.readouterr()
+    planned = json.loads(out)
+    assert planned["workload"]["global_batch"] == 32 and planned["workload"]["vocab"] is None
+    assert all("trainer.global_batch_size=32" in p["overrides"] for p in planned["layouts"])
+    assert err.splitlines() == [f"planned {i}/3 layouts of 2 ranks, {s}" for i, s in
+                                zip((1, 2, 3), re.findall(r"(\d+ s)$", err, re.M))]
+    assert main(["gpu=cpu", "--world", "1", "model.depth=1"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header == ("workload: global batch 16 (--world 1 x 16, the one-process default per rank: "
+                      "trainer.global_batch_size unset; set it to plan another), 128 tokens per sample "
+                      "(data.img_size / model.patch_size)")
+
+
+def test_a_layout_that_does_not_fit_says_what_shrinks_it():
+    """The hint names the largest part and its settings; zero comm axes stay out of the comm column."""
+    from utils.cli.config import load_config
+    from utils.plan.cost_model import LayoutPlan
+    from utils.plan.report import fit_hint
+
+    plan = plan_layout(TINY, Hardware(0.2, 5.0, 5.0, 1000, 1e-3, device="cpu"), 1)
+    assert not plan.fits and plan.to_fit.startswith("activations ")
+    assert "trainer.activation_checkpointing=true" in plan.to_fit
+    cfg = load_config(TINY + ["parallel.dp=2"])[0]
+    state = LayoutPlan("dp2", [], param_bytes=2**30, grad_bytes=2**30, optimizer_bytes=2**31, activation_bytes=10)
+    assert fit_hint(state, cfg) == "weights+grads+Adam 4.0 GiB: parallel.dp_mode=fsdp, more tp/pp"
+    state.fits, state.to_fit = False, fit_hint(state, cfg)
+    state.comm_bytes = {"dp": 4_000_000, "tp_dp": 12, "cp": 0}
+    row = table([state], parse_args(["gpu=cpu"])).splitlines()[-1]
+    assert "| dp 4.0 | weights+grads+Adam 4.0 GiB" in row and "tp_dp" not in row and "cp " not in row

@@ -8,7 +8,15 @@ each grid axis, and a predicted step time, ranked by that time.
 
     python -m utils.plan model=vit_large data=era5 precision=bf16 gpu=h100 --world 8
     python -m utils.plan parallel=tp2 parallel.dp=2 gpu=cpu --json
-    python -m utils.plan model=llama_8b data=wikitext parallel.tp=2 parallel.dp=32 parallel.dp_mode=fsdp --vocab 128256
+    python -m utils.plan model=llama_8b data=wikitext parallel.dp=32 parallel.dp_mode=fsdp trainer.global_batch_size=64
+
+The second header line says what the plan assumes of the run and where each figure comes from
+(utils/plan/workload.py): a language model's vocabulary (--vocab V; else the data's tokenizer where it can be
+read without the corpus; else the model preset's published one, Llama 3's 128256 for llama_1b and llama_8b,
+GPT-2's 50257 for gpt_small and gpt_medium; else GPT-2's), the global batch (trainer.global_batch_size; with
+--world N and neither that override nor an experiment= preset setting it, N x the one-process default of 16)
+and the tokens per sample (data.seq_len; the ViT's patches). A layout that does not fit gets a hint: its
+largest part and the settings that shrink it. A --world search prints its progress on stderr.
 
 Nothing is computed from a second copy of the formulas: the planner builds the real trainer
 (utils.engine.build.build_trainer) on one process under torch's fake process group (collectives do nothing,
@@ -27,13 +35,13 @@ its layouts in forked workers.
 
 Options (defaults by gpu: h100 | a100 | cpu):
   gpu=NAME            h100 (default) | a100 | cpu
-  --world N           plan every layout of N ranks (tp x cp x dp, pp=1) the config checks accept
+  --world N           plan every layout of N ranks (tp x cp x dp, pp=1) the config checks accept, at a global
+                      batch of N x 16 unless trainer.global_batch_size=B (or an experiment=) sets one
   --jobs N            with --world: layouts planned at once, in forked processes (default: one per CPU core)
   --json              print JSON: per layout comm_bytes {axis: bytes per step}, param_bytes, grad_bytes,
                       optimizer_bytes, activation_bytes, gathered_bytes (FSDP), host_bytes (rank 0),
                       step_time_s, compute_s, bubble_s, comm_s, fits, rank
-  --vocab V           a language model's vocabulary (the planner reads no data): GPT-2's 50257 by default,
-                      Llama 3's is 128256
+  --vocab V           a language model's vocabulary (the planner reads no corpus): default as the header says
   --efficiency X      achieved fraction of the dense peak (utils.engine.flops.PEAK_TFLOPS): 0.5
   --peak-tflops X     dense peak per device for the run's precision: h100/a100 from the table; cpu 0.2
   --intra-gbs X       GB/s per direction inside a node: NVLink 450 (h100) | 300 (a100); cpu loopback 5
@@ -78,7 +86,9 @@ from utils import ConfigError, exit_bad_input
 from utils.plan.fsdp import extend_units, gathered_peak
 from utils.plan.options import Hardware, Request, parse_args
 from utils.plan.probe import LayoutConfigs, extend, probe_depths, probe_stride
+from utils.plan.report import collect, fit_hint, table
 from utils.plan.step import Measured, measure_layout
+from utils.plan.workload import workload
 
 GB = 1e9
 
@@ -105,6 +115,7 @@ class LayoutPlan:
     host_bytes: int = 0  # peak resident host memory of the rank: the runtime, plus everything above on a CPU
     grads_meet_activations: bool = True  # False: no dp replicas, accumulation or pipeline (see total_bytes)
     rank: int = 0  # the global rank planned: 0, or under pp the pp rank of rank 0's pipeline holding the most
+    to_fit: str = ""  # a layout that does not fit: its largest part and what shrinks it (utils/plan/report.py)
 
     @property
     def total_bytes(self) -> int:
@@ -217,6 +228,7 @@ def plan_measured(cfg, full: Measured, hw: Hardware, world: int, overrides: list
     plan.comm_s = sum(n / (link_gbs(hw, full.axis_ranks[name]) * GB) for name, n in plan.comm_bytes.items())
     plan.step_time_s = plan.compute_s + plan.bubble_s + plan.comm_s
     plan.fits = plan.total_bytes <= hw.memory_gb * GB
+    plan.to_fit = "" if plan.fits else fit_hint(plan, cfg)
     plan.host_bytes = round(HOST_RUNTIME_GIB * 2**30) + (plan.total_bytes if hw.device == "cpu" else 0)
     return plan
 
@@ -262,11 +274,12 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
     return [(tp, cp, world // (tp * cp)) for tp in divisors for cp in divisors if (world // tp) % cp == 0]
 
 
-def plan_world(req: Request, configs: LayoutConfigs) -> list[LayoutPlan]:
-    """Plan every layout of req.world ranks (req.jobs at a time); a layout the config checks refuse is kept
-    with its error."""
+def plan_world(req: Request, configs: LayoutConfigs, common: dict[str, int] | None = None) -> list[LayoutPlan]:
+    """Plan every layout of req.world ranks (req.jobs at a time), each with the `common` settings too (the
+    --world batch, utils/plan/workload.py); a layout the config checks refuse is kept with its error. A line on
+    stderr tells how far the search is (utils/plan/report.py collect)."""
     depths = probe_depths(configs, configs.load({}).model.depth)  # pp = 1: stride 1
-    sizes = [{"parallel.tp": tp, "parallel.cp": cp, "parallel.dp": dp, "parallel.pp": 1}
+    sizes = [{"parallel.tp": tp, "parallel.cp": cp, "parallel.dp": dp, "parallel.pp": 1, **(common or {})}
              for tp, cp, dp in layouts(req.world)]
     plan = partial(plan_or_refusal, configs, hw=req.hardware, world=req.world, depths=depths)
     jobs = min(len(sizes), req.jobs or len(os.sched_getaffinity(0)))
@@ -275,9 +288,9 @@ def plan_world(req: Request, configs: LayoutConfigs) -> list[LayoutPlan]:
         # thread holds: then the workers start from a fresh server process instead
         start = "fork" if threading.active_count() == 1 else "forkserver"
         with multiprocessing.get_context(start).Pool(jobs, initializer=one_thread) as pool:
-            plans = pool.map(plan, sizes, chunksize=1)
+            plans = collect(pool.imap(plan, sizes, chunksize=1), len(sizes), req.world)
     else:
-        plans = [plan(s) for s in sizes]
+        plans = collect(map(plan, sizes), len(sizes), req.world)
     return sorted(plans, key=lambda p: (bool(p.refused), not p.fits, p.step_time_s))
 
 
@@ -304,40 +317,19 @@ def as_dict(plan: LayoutPlan) -> dict:
     return {**asdict(plan), "total_bytes": plan.total_bytes}
 
 
-def table(plans: list[LayoutPlan], req: Request) -> str:
-    """Markdown table ranked by predicted step time (layouts that do not fit and refused ones last)."""
-    hw = req.hardware
-    lines = [f"planner: gpu={req.gpu}, peak {hw.peak} x efficiency {hw.efficiency}, links intra {hw.intra_gbs} / "
-             f"inter {hw.inter_gbs} GB/s{f' (--bandwidths {req.links_from})' if req.links_from else ''}, "
-             f"{hw.gpus_per_node} per node, {hw.memory_gb} GB; rank 0 (under pp the rank named); no overlap",
-             "| rank | layout | fits | step s | compute s | bubble s | comm s | params GiB | grads GiB | Adam GiB | "
-             "activations GiB | FSDP gathered GiB | total GiB | host GiB | comm MB per step by axis |",
-             "|" + "---|" * 15]
-    for i, p in enumerate(plans, 1):
-        if p.refused:
-            lines.append(f"| - | {p.layout} | refused | {p.refused} |" + " |" * 11)
-            continue
-        gib = [f"{n / 2**30:.2f}" for n in (p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes,
-                                            p.gathered_bytes, p.total_bytes, p.host_bytes)]
-        comm = ", ".join(f"{a} {n / 1e6:.1f}" for a, n in p.comm_bytes.items()) or "none"
-        name = p.layout + (f" (rank {p.rank})" if p.rank else "")
-        lines.append(f"| {i} | {name} | {'yes' if p.fits else 'NO'} | {p.step_time_s:.4g} | {p.compute_s:.4g} "
-                     f"| {p.bubble_s:.4g} | {p.comm_s:.4g} | " + " | ".join(gib) + f" | {comm} |")
-    return "\n".join(lines)
-
-
 def run(argv: list[str]) -> str:
     req = parse_args(argv)
     configs = LayoutConfigs(req.overrides, req.vocab)  # Hydra composes once for every layout
+    assumed = workload(configs, req.world)  # the vocabulary, batch and sequence planned, and their sources
     if req.world:
-        plans = plan_world(req, configs)
+        plans = plan_world(req, configs, assumed.settings)
     else:
         cfg = configs.load({})
         plans = [plan_settings(configs, {}, req.hardware, world_of(cfg), configured_probes(configs))]
     if req.as_json:
         return json.dumps({"gpu": req.gpu, "hardware": asdict(req.hardware), "links_from": req.links_from,
-                           "layouts": [as_dict(p) for p in plans]}, indent=1)
-    return table(plans, req)
+                           "workload": assumed.as_dict(), "layouts": [as_dict(p) for p in plans]}, indent=1)
+    return table(plans, req, assumed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,11 @@ class LayoutConfigs:
         self.choices = OmegaConf.to_container(composed.hydra.runtime.choices)
         del composed.hydra
         self.job, self.overrides = composed, list(overrides)
-        self.vocab = vocab  # a language model's vocabulary without data (--vocab); None: the task's default
+        from utils.plan.workload import resolve_vocab
+
+        # a language model's vocabulary without data, and where it comes from (--vocab V, the data's tokenizer,
+        # the model preset's published one: utils/plan/workload.py); None for a model that reads none
+        self.vocab, self.vocab_from = resolve_vocab(self.load({}), self.choices.get("model"), vocab)
 
     def load(self, settings: dict[str, int]):
         from omegaconf import OmegaConf

@@ -11,7 +11,9 @@ rank's own work are the job's.
     python -m utils.plan.rank model=llama_8b parallel.dp_mode=fsdp --world 8 --rank 3 --vocab 128256
     python -m utils.plan.rank model=llama_8b parallel.tp=2 parallel.dp_mode=fsdp --world 64 --vocab 128256
 
---vocab: the tokenizer's vocabulary when no data is read (default GPT-2's 50257; Llama 3's is 128256).
+--vocab: the tokenizer's vocabulary when no data is read (default: as `python -m utils.plan` takes it, from the
+data's tokenizer when it can be read without the corpus, else the model preset's published one, else GPT-2's 50257;
+utils/plan/workload.py).
 --steps: training steps after the build (default 1; 0: the build alone).
 The data settings still shape the batch (data.seq_len, trainer.global_batch_size).
 """
@@ -59,12 +61,14 @@ def play(overrides: list[str], world: int, rank: int, vocab: int | None, steps: 
     from utils.engine.memory import host_peak_gib, reset_host_peak
     from utils.plan.probe import data_less_task
     from utils.plan.step import check_batch_for, fake_world
+    from utils.plan.workload import resolve_vocab
 
-    cfg, _, _ = load_config(overrides)
+    cfg, choices, _ = load_config(overrides)
     # torch's pipelining agrees on static shapes by a vote its stages send down the pipeline: on the fake group
     # it arrives as zeros, and the shape exchange that follows needs real messages
     require(cfg.parallel.pp == 1, "a pipeline rank cannot be played on the fake process group", "parallel.pp",
             "plan the layout with python -m utils.plan (its rank holding the most), or play parallel.pp=1")
+    vocab, vocab_from = resolve_vocab(cfg, choices.get("model"), vocab)
     task = data_less_task(cfg, vocab)
     with fake_world(world, rank), tempfile.TemporaryDirectory() as tmp:
         grid = init_grid(cfg.parallel)
@@ -81,7 +85,7 @@ def play(overrides: list[str], world: int, rank: int, vocab: int | None, steps: 
         trainer.tb.close()
     return {"layout": grid.name, "rank": rank, "world": world, "held": held, "build_s": round(built_s, 1),
             "build_host_peak_gib": round(built_gib, 2), "steps": steps, "steps_s": round(step_s, 1),
-            "steps_host_peak_gib": round(step_gib, 2)}
+            "steps_host_peak_gib": round(step_gib, 2), "vocab": vocab, "vocab_from": vocab_from}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{figures['layout']} rank {figures['rank']} of {figures['world']}: {figures['held']}; built in "
               f"{figures['build_s']} s (peak host memory {figures['build_host_peak_gib']} GiB), "
-              f"{figures['steps']} step(s) {figures['steps_s']} s later (peak {figures['steps_host_peak_gib']} GiB)")
+              f"{figures['steps']} step(s) {figures['steps_s']} s later (peak {figures['steps_host_peak_gib']} GiB)"
+              + (f"; vocabulary {figures['vocab']} ({figures['vocab_from']})" if figures["vocab"] else ""))
     return 0
 
 
