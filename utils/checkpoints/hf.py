@@ -29,9 +29,9 @@ import torch
 
 from networks.transformer import GPTConfig, LlamaConfig, padded_vocab_size
 from utils import ConfigError, require
+from utils.data.tokenizers import COMPANIONS
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", *COMPANIONS)
 GPT2_IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older GPT-2 checkpoints
 LLAMA_IGNORED = (".rotary_emb.inv_freq",)  # a buffer older Llama checkpoints saved
 
@@ -307,9 +307,12 @@ def expected_shapes(model, vocab: int) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------------------------- export
-def hf_config(model, vocab_size: int, eos_id: int | None = None) -> dict:
+def hf_config(model, vocab_size: int, eos_id: int | None = None, bos_id: int | None = None,
+              pad_id: int | None = None) -> dict:
     """config.json of the Hugging Face model with `model`'s settings (refused where it has no such model);
-    `eos_id`: the tokenizer's end-of-text token (generation stops at it; GPT-2 also begins with it)."""
+    the ids of the tokenizer's end-of-text token (generation stops at it), its beginning and padding tokens
+    (None, written as null, where it has none: transformers' defaults name ids of other vocabularies)."""
+    tokens = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     if model.arch == "gpt":
         fits = (model.positions == "learned" and model.norm == "layernorm" and model.mlp == "gelu" and model.bias
                 and model.kv_heads == model.num_heads)
@@ -319,8 +322,7 @@ def hf_config(model, vocab_size: int, eos_id: int | None = None) -> dict:
                 "n_positions": model.max_positions, "n_embd": model.embed_dim, "n_layer": model.depth,
                 "n_head": model.num_heads, "n_inner": model.hidden, "activation_function": "gelu_new",
                 "layer_norm_epsilon": model.norm_eps, "tie_word_embeddings": model.tie_embeddings,
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "torch_dtype": "float32",
-                "bos_token_id": eos_id, "eos_token_id": eos_id}
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "torch_dtype": "float32", **tokens}
     fits = model.positions == "rotary" and model.norm == "rmsnorm" and model.mlp == "swiglu" and not model.bias
     require(fits, "this Llama's options (positions, norm, mlp, bias) are not Llama's", "model",
             "export a Llama with rotary positions, RMSNorm, SwiGLU and no biases")
@@ -334,7 +336,7 @@ def hf_config(model, vocab_size: int, eos_id: int | None = None) -> dict:
             "head_dim": model.embed_dim // model.num_heads, "max_position_embeddings": model.max_positions,
             "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_base, "rope_scaling": rope,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": model.tie_embeddings, "torch_dtype": "float32", "eos_token_id": eos_id}
+            "tie_word_embeddings": model.tie_embeddings, "torch_dtype": "float32", **tokens}
 
 
 def hf_tensors(model, key: str, tensor: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:

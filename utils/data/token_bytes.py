@@ -9,7 +9,9 @@ compare. The count comes from the tokenizer's vocabulary, per id:
 - another pretrained model (SentencePiece-style, Llama 2): `<0xNN>` byte-fallback tokens count 1, the
   others the UTF-8 bytes of their text with the meta space `▁` as one space;
 - `word`: a word's UTF-8 bytes plus the one separator after it (the space to the next word, or the
-  line's newline), the end token 0; a line's tokens then add up to its decoded bytes exactly;
+  line's newline), the end token 0; a line's tokens then add up to its decoded bytes exactly. So too a
+  pretrained tokenizer.json of a WordLevel model (a word vocabulary as export-hf writes it), whose
+  tokens decode joined by spaces;
 - the end-of-text token of a BPE or pretrained tokenizer counts 1 (the newline it decodes to); another
   special token the UTF-8 bytes of its text.
 """
@@ -34,7 +36,13 @@ def token_bytes(tokenizer: AnyTokenizer) -> np.ndarray:
         counts[tokenizer.eos_id] = 0
         return counts
     hf = tokenizer.tokenizer
-    byte_level = _uses_byte_level(json.loads(hf.to_str()))
+    spec = json.loads(hf.to_str())
+    if spec.get("model", {}).get("type") == "WordLevel" and not spec.get("decoder"):
+        counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+        for token, i in hf.get_vocab(with_added_tokens=True).items():
+            counts[i] = 0 if i == tokenizer.eos_id else len(token.encode("utf-8")) + 1
+        return counts
+    byte_level = _uses_byte_level(spec)
     specials = {t.content for t in hf.get_added_tokens_decoder().values() if t.special}
     counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
     for token, i in hf.get_vocab(with_added_tokens=True).items():

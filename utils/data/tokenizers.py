@@ -7,6 +7,10 @@ Face `tokenizers`. Both encode lines to ids, decode ids to text with `<eos>` as 
 and load from one JSON file (utils/data/cache.py caches them). 'pretrained' reads the `tokenizer.json`
 that a Hugging Face model folder ships (GPT-2, Llama) as it is: never trained, never cached, its own
 end-of-text token ending every line, so a fine-tune sees the ids its embedding was trained on.
+
+`hf_files` gives each of them as the files of a Hugging Face tokenizer folder (tokenizer.json and
+tokenizer_config.json naming its special tokens), which transformers' AutoTokenizer and `PretrainedTokenizer`
+read back to the same ids (export-hf writes them beside the model).
 """
 
 from __future__ import annotations
@@ -18,15 +22,18 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from utils import ConfigError, require
 
 UNK, EOS = "<unk>", "<eos>"
 # End-of-text tokens of shipped tokenizers, tried in this order when tokenizer_config.json names none:
-# GPT-2's, Llama 3's, Llama 2's (and most SentencePiece models').
-KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>")
+# GPT-2's, Llama 3's, Llama 2's (and most SentencePiece models'), then this project's own (word, bpe; Gemma's).
+KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", EOS)
+CONFIG = "tokenizer_config.json"
+# The files of a tokenizer folder besides tokenizer.json, copied with it (export-hf).
+COMPANIONS = (CONFIG, "special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json")
 PRETRAINED_FIX = "give a folder holding a Hugging Face tokenizer.json (or the file itself), or choose word or bpe"
 
 
@@ -70,6 +77,19 @@ class WordTokenizer:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"kind": self.kind, "words": self.words}), encoding="utf-8")
+
+    def to_hf(self) -> HFTokenizer:
+        """The same vocabulary as a Hugging Face `tokenizers` WordLevel model, encoding any text to the same ids:
+        split on what str.split splits on (Rust's whitespace, plus the separators U+001C..U+001F mapped to a
+        space first), an unknown word <unk>. <unk> and <eos> are special tokens that match whole words only
+        (single_word), so "x<eos>y" stays one unknown word; unlike str.split, "<eos>" beside punctuation
+        ("end.<eos>") is still cut out as the end token. No decoder: tokens decode joined by spaces."""
+        tokenizer = HFTokenizer(models.WordLevel(self.ids, unk_token=UNK))
+        tokenizer.normalizer = normalizers.Replace(Regex("[\x1c-\x1f]"), " ")
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.add_special_tokens([AddedToken(t, single_word=True, normalized=False, special=True)
+                                      for t in (UNK, EOS)])
+        return tokenizer
 
     @classmethod
     def load(cls, path: Path) -> WordTokenizer:
@@ -159,8 +179,8 @@ class PretrainedTokenizer:
 
     kind = "pretrained"
 
-    def __init__(self, tokenizer: HFTokenizer, eos_token: str, fingerprint: str):
-        self.tokenizer, self.eos_token, self.fingerprint = tokenizer, eos_token, fingerprint
+    def __init__(self, tokenizer: HFTokenizer, eos_token: str, fingerprint: str, file: Path | None = None):
+        self.tokenizer, self.eos_token, self.fingerprint, self.file = tokenizer, eos_token, fingerprint, file
         tokenizer.no_truncation()  # some shipped files cap lengths (512 tokens): a line must stay whole
         tokenizer.no_padding()
         self.eos_id = tokenizer.token_to_id(eos_token)
@@ -190,7 +210,7 @@ class PretrainedTokenizer:
         require(eos in vocab, f"eos_token {eos!r} of {file.parent / 'tokenizer_config.json'} is not in {file}",
                 "data.tokenizer", "set eos_token to a token of the tokenizer's vocabulary")
         fingerprint = hashlib.sha1(data + b"\0" + eos.encode()).hexdigest()[:10]
-        return cls(tokenizer, eos, fingerprint)
+        return cls(tokenizer, eos, fingerprint, file)
 
     def encode_batch(self, lines: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(lines, add_special_tokens=False)]
@@ -214,3 +234,65 @@ def encode_lines(tokenizer: AnyTokenizer, lines: Iterable[str], chunk: int = 819
         ids = itertools.chain.from_iterable(line + eos for line in tokenizer.encode_batch(batch))
         parts.append(np.fromiter(ids, dtype=np.int32))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+# ------------------------------------------------------------------------- as a Hugging Face folder
+def load_file(spec: str) -> AnyTokenizer:
+    """The tokenizer of a file or folder: this project's word vocabulary (a cached `{"kind": "word"}` file), else
+    a Hugging Face tokenizer.json (this project's cached bpe files among them: their end token is <eos>)."""
+    file = pretrained_file(spec)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None  # PretrainedTokenizer.load says what is wrong
+    if isinstance(data, dict) and data.get("kind") == WordTokenizer.kind and isinstance(data.get("words"), list):
+        words = data["words"]
+        require(UNK in words and EOS in words, f"{file} is a word vocabulary without {UNK} and {EOS}",
+                "data.tokenizer", "give the vocabulary file a word run cached")
+        return WordTokenizer(words)
+    return PretrainedTokenizer.load(spec)
+
+
+def _json(data: dict) -> bytes:
+    return (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def hf_files(tokenizer: AnyTokenizer) -> dict[str, bytes]:
+    """{name: bytes} of a Hugging Face tokenizer folder that transformers' AutoTokenizer.from_pretrained and
+    `PretrainedTokenizer.load` read as `tokenizer`: the same ids, the same end token.
+
+    word and bpe: tokenizer.json (`WordTokenizer.to_hf`, or the BPE itself) and a tokenizer_config.json naming
+    <eos> the end and <unk> the unknown token (neither has a beginning or a padding token), decoded without
+    transformers' clean-up of spaces. pretrained: its files as they are (tokenizer.json, and the COMPANIONS
+    beside it), with a tokenizer_config.json naming the end token where it has none (`eos_token` added; a
+    `<unk>` special token named the unknown one when the file is new)."""
+    generic = {"tokenizer_class": "PreTrainedTokenizerFast"}  # read as tokenizer.json says, whatever config.json
+    plain = {"clean_up_tokenization_spaces": False}  # decoded as utils.generate decodes
+    if not isinstance(tokenizer, PretrainedTokenizer):
+        hf = tokenizer.to_hf() if isinstance(tokenizer, WordTokenizer) else tokenizer.tokenizer
+        config = {**generic, "eos_token": EOS, "unk_token": UNK, **plain}
+        return {"tokenizer.json": hf.to_str(pretty=True).encode("utf-8"), CONFIG: _json(config)}
+    file = tokenizer.file
+    require(file is not None, "the tokenizer was not read from a file", "--tokenizer", "give its tokenizer.json")
+    files = {"tokenizer.json": file.read_bytes()}
+    files.update({name: (file.parent / name).read_bytes() for name in COMPANIONS if (file.parent / name).is_file()})
+    if CONFIG in files and configured_eos(file.parent) is None:
+        files[CONFIG] = _json({**json.loads(files[CONFIG]), "eos_token": tokenizer.eos_token})
+    elif CONFIG not in files:
+        specials = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values() if t.special}
+        unk = {"unk_token": UNK} if UNK in specials else {}
+        files[CONFIG] = _json({**generic, "eos_token": tokenizer.eos_token, **unk, **plain})
+    return files
+
+
+def special_ids(files: dict[str, bytes]) -> dict[str, int | None]:
+    """{"bos_id", "eos_id", "pad_id"} (config.json's bos_token_id, ...) of the folder `hf_files` gives: the ids of
+    the tokens its tokenizer_config.json names (None where it names none, or one outside the vocabulary)."""
+    config = json.loads(files[CONFIG])
+    tokenizer = HFTokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+    ids = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        ids[f"{key.removesuffix('_token')}_id"] = tokenizer.token_to_id(token) if isinstance(token, str) else None
+    return ids

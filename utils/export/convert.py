@@ -19,11 +19,12 @@ Import writes a complete checkpoint (DCP folder, state.json, marker, `latest`) t
 re-derived from (seed, step, rank), as for a checkpoint of another layout.
 
 Hugging Face (utils/checkpoints/hf.py): export-hf writes config.json, model.safetensors (shards listed by
-model.safetensors.index.json past --shard-mib; read and written a tensor at a time) and the run's
-tokenizer files (`data.tokenizer=PATH`, or --tokenizer) of a GPT-2 or Llama run, which transformers'
-`from_pretrained` loads; import-hf writes a checkpoint of the model weights at step 0, for a new run
-with `trainer.init_from=<its step folder>` (or give the folder itself: `trainer.init_from=hf/<name>`),
-and prints the model settings that run needs.
+model.safetensors.index.json past --shard-mib; read and written a tensor at a time) and the tokenizer the run
+trained with (word, bpe, a tokenizer folder, the shards' copy; or --tokenizer) as tokenizer.json and
+tokenizer_config.json (utils/data/tokenizers.py `hf_files`), of a GPT-2 or Llama run, which transformers'
+`from_pretrained` loads (AutoModelForCausalLM, AutoTokenizer); import-hf writes a checkpoint of the model
+weights at step 0, for a new run with `trainer.init_from=<its step folder>` (or give the folder itself:
+`trainer.init_from=hf/<name>`), and prints the model settings that run needs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_folder
 from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts, resolve_step
 from utils.checkpoints.sharded_state import SafeReader, iter_full
 from utils.comm import Grid
-from utils.data.tokenizers import PretrainedTokenizer
+from utils.data.cache import cache_folders
+from utils.data.tokenizers import AnyTokenizer, PretrainedTokenizer, hf_files, load_file, special_ids
+from utils.data.tokens import TokensConfig
+from utils.data.wikitext import load_tokenizer, locate
 
 IMPORTED = "imported from a single-process file"  # the `layout` an imported checkpoint records
 IMPORTED_HF = "imported from a Hugging Face folder"
@@ -130,12 +134,37 @@ def export_hf(folder: Path, out: Path, tokenizer: Path | None = None, shard_byte
     vocab = (read_facts(folder.parent.parent, TASK_FILE) or {}).get("vocab_size")
     require(vocab is not None, f"{folder.parent.parent} records no vocabulary size (task.json, written since the "
             "Hugging Face export)", "CHECKPOINT", "resume the run for one step with this version, then export")
-    if tokenizer is None and data.tokenizer not in ("word", "bpe"):
-        tokenizer = Path(data.tokenizer)
-    eos = None if tokenizer is None else PretrainedTokenizer.load(str(tokenizer)).eos_id
-    config = hf.hf_config(model, vocab, eos)
-    write_folder(out, config, checkpoint_stream(folder, model, vocab), tokenizer, shard_bytes)
+    tok = run_tokenizer(data, tokenizer)
+    require(tok.vocab_size == vocab, f"the tokenizer has {tok.vocab_size} tokens, the run's model {vocab}",
+            "--tokenizer", "give the tokenizer the run trained with (or none: the run's own)")
+    files = hf_files(tok)  # all of the tokenizer's files are made before anything is written
+    config = hf.hf_config(model, vocab, **special_ids(files))
+    write_folder(out, config, checkpoint_stream(folder, model, vocab), None, shard_bytes)
+    for name in hf.TOKENIZER_FILES:
+        (out / name).unlink(missing_ok=True)  # an earlier export's would be read beside these
+    for name, content in files.items():
+        (out / name).write_bytes(content)
     return config
+
+
+def run_tokenizer(data, tokenizer: Path | None) -> AnyTokenizer:
+    """The tokenizer to export: `tokenizer` (a folder or tokenizer.json, or a word or bpe file of a corpus's
+    cache) when given, else the one the run trained with: its word or BPE vocabulary (from the corpus's cache,
+    as training read it), its tokenizer folder, or (data=tokens) the copy beside its shards."""
+    if tokenizer is not None:
+        try:
+            return load_file(str(tokenizer))
+        except ConfigError as err:
+            raise ConfigError(err.what, "--tokenizer", err.fix) from None
+    if isinstance(data, TokensConfig) or data.tokenizer not in ("word", "bpe"):
+        return PretrainedTokenizer.load(data.tokenizer)
+    try:
+        folder, sources = locate(data)
+        return load_tokenizer(data, sources["train"], cache_folders(folder, data.cache_dir))[0]
+    except ConfigError as err:
+        raise ConfigError(f"the run's {data.tokenizer} tokenizer cannot be read: {err.what}", "--tokenizer",
+                          f"give its cached file (tokenizer-{data.tokenizer}*.json beside the corpus), or "
+                          "put the corpus back where the run read it") from None
 
 
 def checkpoint_stream(folder: Path, model, vocab_size: int) -> WeightStream:
@@ -188,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     out_hf = sub.add_parser("export-hf", help="checkpoint folder of a GPT-2 or Llama run -> a Hugging Face folder")
     out_hf.add_argument("checkpoint", type=Path, help="a step_* folder, or a run directory: its newest complete step")
     out_hf.add_argument("folder", type=Path)
-    out_hf.add_argument("--tokenizer", type=Path, help="tokenizer folder or tokenizer.json to copy (default: the run's "
-                        "data.tokenizer when it is a path)")
+    out_hf.add_argument("--tokenizer", type=Path, help="tokenizer folder, tokenizer.json or cached word/bpe file to "
+                        "write (default: the run's own tokenizer)")
     out_hf.add_argument("--shard-mib", type=int, default=SHARD_BYTES // 2**20,
                         help="largest safetensors file in MiB (past it: shards listed by model.safetensors.index.json)")
     in_hf = sub.add_parser("import-hf", help="Hugging Face folder (GPT-2, Llama) -> a checkpoint of a run directory")
@@ -211,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {import_checkpoint(args.file, args.run_dir)}")
         elif args.command == "export-hf":
             config = export_hf(args.checkpoint, args.folder, args.tokenizer, args.shard_mib * 2**20)
-            print(f"wrote {args.folder}: {config['architectures'][0]}, vocabulary {config['vocab_size']}; "
-                  f"load it with transformers' AutoModelForCausalLM.from_pretrained('{args.folder}')")
+            print(f"wrote {args.folder}: {config['architectures'][0]}, vocabulary {config['vocab_size']}, its "
+                  f"tokenizer; load them with transformers' AutoModelForCausalLM.from_pretrained('{args.folder}') "
+                  f"and AutoTokenizer.from_pretrained('{args.folder}')")
         else:
             step, settings = import_hf(args.folder, args.run_dir, args.vocab_multiple)
             print(f"wrote {step}\nstart a run from it: python train.py {' '.join(settings)} data=wikitext "
