@@ -24,6 +24,7 @@ from utils.checkpoints import hf
 from utils.checkpoints.hf_stream import write_folder
 from utils.checkpoints.sharded_state import read_full
 from utils.comm import Axis, Grid
+from utils.data.tokenizers import PretrainedTokenizer
 from utils.export.convert import main as export_main
 from utils.tasks.generate import greedy_decode
 
@@ -141,7 +142,8 @@ def single(pretrained, corpus_root, tmp_path_factory):
 @pytest.mark.slow
 def test_import_finetune_tp2pp2_export_loads_in_transformers(pretrained, single, tmp_path):
     """import-hf's step folder under tp2 x pp2 follows the one-process run from the folder itself; its final
-    checkpoint exported loads in transformers with our one-process logits, tokenizer files beside it."""
+    checkpoint exported loads in transformers with our one-process logits, tokenizer files beside it: AutoTokenizer
+    reads them to the folder's ids, and config.json's end and beginning tokens are the tokenizer's."""
     args, reference = single
     imported = pretrained.parent / "imported" / "checkpoints" / "step_0000000"
     run_dir = run([*args, "parallel=pp2", "parallel.tp=2", f"trainer.init_from={imported}"], tmp_path / "tp2pp2")
@@ -159,8 +161,11 @@ def test_import_finetune_tp2pp2_export_loads_in_transformers(pretrained, single,
     x = torch.randint(vocab, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(theirs(x).logits, ours(x)[..., :vocab], rtol=1e-5, atol=1e-5)
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "out" / "tokenizer.json"))
-    assert theirs.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|end_of_text|>") is not None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")  # the folder's tokenizer_config.json
+    assert theirs.config.eos_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+    assert theirs.config.bos_token_id is tokenizer.bos_token_id is None  # not Llama's default 1: it names none
+    text = "The game was released in Japan.\nIt sold <|end_of_text|> well"
+    assert tokenizer(text)["input_ids"] == PretrainedTokenizer.load(str(pretrained)).encode_batch([text])[0]
 
 
 @pytest.mark.parametrize("layout", [["parallel=pp2", "parallel.tp=2"], ["parallel=cp2"],
