@@ -137,7 +137,8 @@ class TrainerConfig:
     ckpt_every: int = 100  # steps between checkpoints (0 = only at the end)
     ckpt_keep: int = 2  # checkpoints kept on disk
     resume: str = "auto"  # auto (latest of run.dir) | never | PATH to a step_* folder
-    init_from: str | None = None  # fine-tuning: a step_* folder (any layout) whose model weights a new run
+    init_from: str | None = None  # fine-tuning: a run directory or step_* folder (any layout; a run directory: its
+    # newest complete step) or a Hugging Face folder whose model weights a new run
     # starts from, its optimizer, schedule and step afresh (ignored once the run has checkpoints of its own)
     num_workers: int = 2  # DataLoader worker processes per rank
     worker_start: str = "forkserver"  # forkserver | spawn | fork: how data workers start (see utils/data/batching)
