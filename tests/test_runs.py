@@ -1,5 +1,6 @@
 """Run directories never mix runs; resuming refuses other settings (not another layout); unsupported layouts."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,50 @@ def test_unsupported_layouts_stop_before_any_work(args, setting, tmp_path):
     proc = run_entry("train_mp.py", f"run.root={tmp_path}", *args, timeout=120)
     assert proc.returncode == 2 and f"({setting})" in proc.stderr, proc.stderr
     assert not any(Path(tmp_path).iterdir())  # no run directory was made
+
+
+def refusal(tmp_path, old_args, new_args, record_presets=True) -> str:
+    """check_resumable's refusal of `new_args` in a run directory with checkpoints of `old_args` (its presets.json
+    written as the command line writes it, or left out as by a run from before), the new presets passed."""
+    from utils.checkpoints.run_dir import PRESETS_FILE, preset_facts, write_facts
+
+    _, old_choices, old = load_config(old_args)
+    _, choices, new = load_config(new_args)
+    (tmp_path / "checkpoints").mkdir(exist_ok=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000010")
+    (tmp_path / "config.yaml").write_text(old)
+    (tmp_path / PRESETS_FILE).unlink(missing_ok=True)
+    if record_presets:
+        write_facts(tmp_path, PRESETS_FILE, preset_facts(old_choices))
+    with pytest.raises(ConfigError) as refused:
+        check_resumable(tmp_path, new, choices)
+    assert "\n" not in refused.value.line() and refused.value.setting == "run.dir"
+    return refused.value.what.split("other settings (", 1)[1]
+
+
+def test_a_refused_resume_names_the_changed_presets_first(tmp_path):
+    """Another model in a reused run.dir: the presets chosen differently lead, then the user's own overrides; the
+    rest is counted (before: `data.attention`, `data.bpe_vocab_size`, 20 channel names, and the model behind ...)."""
+    changed = refusal(tmp_path, [], ["model=gpt_tiny", "data=wikitext_sample", "optim.lr=1e-3"])
+    assert changed.startswith("model=vit_tiny -> gpt_tiny; data=era5_synthetic -> wikitext_sample; "
+                              "optim.lr: 0.0005 -> 0.001; "), changed
+    assert re.search(r"; and \d+ more\)$", changed) and "u10m" not in changed, changed
+
+
+def test_a_refused_resume_without_recorded_presets_leads_with_the_family_keys(tmp_path):
+    changed = refusal(tmp_path, [], ["model=gpt_tiny", "data=wikitext_sample"], record_presets=False)
+    assert changed.startswith("data.kind: era5 -> wikitext; model.arch: vit -> gpt; task.kind: weather -> "
+                              "language; "), changed
+
+
+def test_a_refused_resume_counts_long_lists_and_many_entries(tmp_path):
+    """A list of 20 channel names is counted, not printed; the 14 loss weights a language task lacks are one item."""
+    assert refusal(tmp_path, [], ["data.channels=[u10m,v10m]"]) == "data.channels: 20 entries -> ['u10m', 'v10m'])"
+    from utils.checkpoints.run_dir import changed_settings
+
+    _, _, old = load_config([])
+    _, _, new = load_config(["model=gpt_tiny", "data=wikitext_sample"])
+    assert "task.variable_weights: 14 entries changed" in changed_settings(old, new)
+    reordered = "data.channels=[v10m,u10m,t2m,sp,msl,t850,u1000,v1000,z1000,u850,v850,z850,u500,v500,z500,t500," \
+                "z50,r500,r850,tcwv]"
+    assert refusal(tmp_path, [], [reordered]) == "data.channels: 2 of 20 entries changed)"

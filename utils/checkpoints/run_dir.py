@@ -9,9 +9,9 @@ paths, ...) may differ.
 
 Run facts are data: beside config.yaml, rank 0 writes layout.json at each launch (`write_layout`: axis
 sizes, order, world size, the ranks of every group of each axis, the axes of the grid's concepts, the
-signature) and task.json (`write_task`: the model and data family, the metric a run is judged by), which
-tools and tests read (`read_layout`, `read_facts`) instead of log text. Below the engine and the command
-line, which both use it.
+signature) and task.json (`write_task`: the model and data family, the metric a run is judged by), and the
+command line writes presets.json (`preset_facts`: the preset chosen per group); tools and tests read them
+(`read_layout`, `read_facts`) instead of log text. Below the engine and the command line, which both use it.
 """
 
 from __future__ import annotations
@@ -60,6 +60,62 @@ def differences(old_yaml: str, new_yaml: str) -> list[str]:
     return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys]
 
 
+# The preset groups whose choice a settings diff names first, with the sections each preset fills (a data preset
+# chooses the task section too); parallel is left out: any layout resumes (RESUME_SAFE).
+PRESET_SECTIONS = {"model": ("model",), "data": ("data", "task"), "precision": ("precision",), "optim": ("optim",),
+                   "experiment": ()}
+IDENTITY_KEYS = ("arch", "kind", "name", "mode")  # the key that names a section's family: model.arch, data.kind, ...
+
+
+def shown_value(value: object, width: int = 32) -> str:
+    """A setting's value, short: a long list as its length ('20 entries'), a long text cut ('...')."""
+    if isinstance(value, list) and len(str(value)) > width:
+        return f"{len(value)} entries"
+    text = str(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def changed_settings(old_yaml: str, new_yaml: str, old_presets: dict | None = None, new_presets: dict | None = None,
+                     ignore: tuple[str, ...] = RESUME_SAFE) -> list[str]:
+    """What tells two configs apart, most telling first: the presets chosen differently ('model=vit_tiny ->
+    gpt_tiny', when both choices are known), the settings outside those presets' sections (the user's own
+    overrides), then theirs; in each, the family keys (model.arch, data.kind, ...) first and the settings both
+    sides have before those one side lacks.
+    Long lists are counted ('data.channels: 20 of 20 entries changed'), a mapping of many changed entries is one
+    item ('task.variable_weights: 13 entries changed'). Settings starting with `ignore` are left out."""
+    old, new = flat_config(old_yaml), flat_config(new_yaml)
+    keys = [k for k in old.keys() | new.keys() if not k.startswith(ignore) and old.get(k) != new.get(k)]
+    known = old_presets is not None and new_presets is not None
+    groups = [g for g in PRESET_SECTIONS if known and old_presets.get(g) != new_presets.get(g)]
+    preset_sections = {s for g in groups for s in PRESET_SECTIONS[g]}
+    parents: dict[str, list[str]] = {}
+    for k in keys:
+        if k.count(".") >= 2:
+            parents.setdefault(k.rsplit(".", 1)[0], []).append(k)
+    merged = {parent for parent, members in parents.items() if len(members) > 2}
+    items = {k: _changed(k, old.get(k), new.get(k)) for k in keys if k.rsplit(".", 1)[0] not in merged}
+    items |= {parent: f"{parent}: {len(parents[parent])} entries changed" for parent in merged}
+
+    def rank(k: str) -> tuple:
+        return (k.split(".")[0] in preset_sections, k.rsplit(".", 1)[-1] not in IDENTITY_KEYS,
+                k not in old or k not in new, k)
+
+    lead = [f"{g}={old_presets.get(g)} -> {new_presets.get(g)}" for g in groups]
+    return lead + [items[k] for k in sorted(items, key=rank)]
+
+
+def _changed(key: str, old: object, new: object) -> str:
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new) and len(str(old)) > 32:
+        return f"{key}: {sum(a != b for a, b in zip(old, new))} of {len(old)} entries changed"
+    return f"{key}: {shown_value(old)} -> {shown_value(new)}"
+
+
+def summary(items: list[str], shown: int = 4) -> str:
+    """The first `shown` items of a settings diff, '; '-joined, and how many more there are."""
+    more = len(items) - shown
+    return "; ".join(items[:shown]) + (f"; and {more} more" if more > 0 else "")
+
+
 def run_dir_for(cfg: Config, choices: dict[str, str], layout: str, digest: str) -> Path:
     """run.dir, or the default name, derived identically on every rank; `digest` names the settings overridden
     beyond the presets (utils/cli/runs.py `run_digest`, '' when none are)."""
@@ -83,20 +139,29 @@ def prepare_run_dir(run_dir: Path) -> None:
                           "choose a folder this job can create and write, or another run.root") from None
 
 
-def check_resumable(run_dir: Path, config_yaml: str) -> None:
-    """Refuse to continue a run directory's checkpoints under a config that trains something else."""
+def check_resumable(run_dir: Path, config_yaml: str, presets: dict[str, str] | None = None) -> None:
+    """Refuse to continue a run directory's checkpoints under a config that trains something else. `presets`: the
+    new run's chosen preset per group, which the diff names first when the run directory recorded its own
+    (presets.json)."""
     saved = run_dir / "config.yaml"
     if not (saved.is_file() and (run_dir / "checkpoints" / "latest").is_file()):
         return
-    changed = differences(saved.read_text(), config_yaml)
-    if changed:
-        raise ConfigError(f"{run_dir} holds checkpoints of a run with other settings ({'; '.join(changed[:4])}"
-                          + (" ..." if len(changed) > 4 else "") + ")", "run.dir",
+    old = saved.read_text()
+    if differences(old, config_yaml):
+        recorded = read_facts(run_dir, PRESETS_FILE)
+        changed = changed_settings(old, config_yaml, recorded, presets and preset_facts(presets))
+        raise ConfigError(f"{run_dir} holds checkpoints of a run with other settings ({summary(changed)})", "run.dir",
                           "set run.tag=<name> or run.dir=<new folder>, or trainer.resume=never to start it over")
 
 
 LAYOUT_FILE = "layout.json"  # the resolved layout of a run's last launch, beside config.yaml
 TASK_FILE = "task.json"  # the workload of the run: model and data family, quality metric
+PRESETS_FILE = "presets.json"  # the preset chosen per group ({"model": "vit_tiny", ..., "experiment": null})
+
+
+def preset_facts(choices: dict[str, str]) -> dict[str, str | None]:
+    """What presets.json holds: the command line's choice per group (Hydra's 'None' for none as null)."""
+    return {group: None if choice in (None, "None", "null") else str(choice) for group, choice in choices.items()}
 
 
 def layout_facts(grid: Grid) -> dict[str, object]:
