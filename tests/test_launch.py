@@ -25,6 +25,33 @@ def test_train_mp_rejects_a_grid_that_does_not_fit():
     assert proc.stderr.startswith("error: world size 3 does not fit tp=2") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("case", ["batch", "resume", "data"])
+def test_a_bad_input_of_a_local_launch_is_printed_once(case, tmp_path):
+    """`python train.py parallel.tp=2 parallel.dp=3` said "launching 6 ranks" and then printed the same error 6 times:
+    the split of the global batch over the grid, and the run directory's checkpoints, are checked before any rank
+    starts; a data error, which each rank finds, is printed by the first rank that finds it."""
+    from utils.cli.config import load_config
+
+    args, expected = {
+        "batch": (["parallel.tp=2", "parallel.dp=3"], "error: global_batch_size 16 is not divisible by dp=3 x "
+                  "grad_accum_steps=1 (trainer.global_batch_size): use a multiple of 3"),
+        "resume": (["parallel=tp2", "optim.lr=1e-2"], f"error: {tmp_path / 'run'} holds checkpoints of a run with "
+                   "other settings (optim.lr: 0.0005 -> 0.01) (run.dir): "),
+        "data": (["parallel=tp2", "data=era5", "data.root=/nonexistent/era5"], "error: data folder /nonexistent/era5 "
+                 "does not exist (data.root): ")}[case]
+    if case == "resume":
+        (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+        (tmp_path / "run" / "checkpoints" / "latest").write_text("step_0000004")
+        (tmp_path / "run" / "config.yaml").write_text(load_config([])[2])
+    (tmp_path / "tmp").mkdir()
+    proc = run_entry("train.py", f"run.dir={tmp_path / 'run'}", *args, timeout=120,
+                     env={"TMPDIR": str(tmp_path / "tmp")})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+    assert ("launching 2 ranks" in proc.stdout) == (case == "data"), proc.stdout
+    assert not list((tmp_path / "tmp").iterdir())  # the launcher's folder for its ranks' error lines is gone
+
+
 def test_supervisor_stops_the_other_ranks_when_one_fails():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])

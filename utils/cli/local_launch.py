@@ -8,28 +8,34 @@ line (`python train.py key=value ...`), which every local rank runs.
 `launch_main` is `python train_mp.py`: it starts world = tp*cp*pp*dp ranks (dp = parallel.dp, or 1 when it
 is derived; or `--nproc N`) with torchrun's variables set, one GPU each when there are enough GPUs (a new
 interpreter running train.py), CPU processes on gloo (forks of this one) on a machine without GPUs or with
-`trainer.device=cpu`; fewer GPUs than ranks is refused (exit 2, one line) before anything starts. Returns the
-first non-zero exit status; when a rank fails, the others are stopped at once. Stop signals (SIGTERM, SIGUSR1, SIGUSR2,
-SIGHUP, SIGINT) are forwarded to the ranks, which checkpoint and exit (status 75); a rank never outlives the launcher.
+`trainer.device=cpu`. Before the ranks start, `launch_plan` checks what it can (the grid, the split of the global
+batch over it, the run directory's checkpoints, fewer GPUs than ranks): one line and exit 2, printed once; a
+bad-input error the ranks find themselves (the data) is printed by one rank, not by each (`exit_bad_input_once`).
+Returns the first non-zero exit status; when a rank fails, the others are stopped at once. Stop signals (SIGTERM,
+SIGUSR1, SIGUSR2, SIGHUP, SIGINT) are forwarded to the ranks, which checkpoint and exit (status 75); a rank never
+outlives the launcher.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-from utils import ConfigError, exit_bad_input, require
+from utils import EXIT_BAD_INPUT, ConfigError, exit_bad_input, require
 from utils.cli.config import load_config
 from utils.cli.launch import die_with_parent, free_port, rank_env, ranks_needed
-from utils.comm import check_grid, destroy_grid
+from utils.comm import Axis, batch_parts, check_grid, destroy_grid
 from utils.engine.preemption import (
     EARLY_SIGNALS,
     EXIT_LATE,
@@ -41,6 +47,7 @@ from utils.engine.preemption import (
 from utils.launch_env import LaunchEnv, launch_env
 
 ENTRY_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"  # what a new rank interpreter runs
+ERRORS_ENV = "TRAIN_MP_ERRORS"  # a folder the launcher shares with its ranks: each bad-input line printed once
 
 
 def starts_local_ranks(cfg) -> bool:
@@ -51,12 +58,18 @@ def starts_local_ranks(cfg) -> bool:
 def run(cfg, choices: dict[str, str], config_yaml: str, argv: list[str]) -> int:
     """Train one configured run here, or hand it to `launch_main` (same `argv`), which starts the local
     ranks of its layout (their launch_env says torchrun)."""
-    from utils.cli.runs import run_digest
+    from utils.checkpoints.run_dir import PRESETS_FILE, preset_facts, write_facts
+    from utils.cli.runs import check_run_dir, run_digest
     from utils.engine.build import build_run
 
     if starts_local_ranks(cfg):
         return launch_main(argv)
-    return build_run(cfg, choices, config_yaml, run_digest(cfg, choices, config_yaml)).fit()
+    digest = run_digest(cfg, choices, config_yaml)
+    check_run_dir(cfg, choices, config_yaml, digest)  # build_run checks it too, without the presets to name
+    trainer = build_run(cfg, choices, config_yaml, digest)
+    if trainer.grid.is_main:
+        write_facts(trainer.run_dir, PRESETS_FILE, preset_facts(choices))  # beside config.yaml
+    return trainer.fit()
 
 
 def run_command(argv: list[str]) -> int:
@@ -69,9 +82,23 @@ def run_command(argv: list[str]) -> int:
             return 0
         return run(cfg, choices, config_yaml, argv)
     except ConfigError as err:
-        exit_bad_input(err)
+        exit_bad_input_once(err)
     finally:
         destroy_grid()
+
+
+def exit_bad_input_once(err: ConfigError) -> None:
+    """`exit_bad_input`; among the ranks of one local launch (`ERRORS_ENV` set), an error line that another rank
+    printed already is not printed again (the same data error, found by every rank)."""
+    folder = os.environ.get(ERRORS_ENV)
+    if folder:
+        try:
+            (Path(folder) / hashlib.sha1(err.line().encode()).hexdigest()).open("x").close()
+        except FileExistsError:
+            raise SystemExit(EXIT_BAD_INPUT) from None
+        except OSError:
+            pass  # the launcher's folder is gone: print it
+    exit_bad_input(err)
 
 
 def parse_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -103,11 +130,21 @@ def gpus_for_ranks(device: str, world: int, visible: int) -> bool:
 
 
 def launch_plan(argv: list[str], nproc: int | None) -> tuple[int, bool]:
-    """(ranks the grid needs, whether each gets a GPU), validated like train.py does, before anything starts."""
-    cfg, _, _ = load_config(argv)
+    """(ranks the grid needs, whether each gets a GPU), validated like train.py does, before anything starts: the
+    grid, the split of the global batch over it (the data's size aside), and the run directory's checkpoints
+    (each rank would print the same error otherwise)."""
+    from utils.cli.runs import check_run_dir, run_digest
+    from utils.data.batching import check_batch
+    from utils.engine.build import pipeline_plan
+
+    cfg, choices, config_yaml = load_config(argv)
     p = cfg.parallel
     world = nproc or ranks_needed(p)
-    check_grid(p, LaunchEnv(world_size=world))
+    sizes = check_grid(p, LaunchEnv(world_size=world))
+    batch = cfg.trainer.global_batch_size
+    check_batch(batch, batch_parts(sizes), cfg.trainer.grad_accum_steps, batch,
+                pipeline_plan(cfg).microbatches if sizes[Axis.PP] > 1 else 1)
+    check_run_dir(cfg, choices, config_yaml, run_digest(cfg, choices, config_yaml), world)
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return world, gpus_for_ranks(cfg.trainer.device, world, visible)
 
@@ -256,15 +293,18 @@ def launch(argv: list[str], world: int, use_gpus: bool) -> int:
     port = free_port()
     print(f"train_mp: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
     early = take_early_stop()  # before forking: handed to every rank in its environment, not sent to it
-    told = {} if early is None else early_stop_env(early)
-    if gpus:
-        procs = [subprocess.Popen([sys.executable, str(ENTRY_SCRIPT), *argv],
-                                  env={**rank_env(r, world, port, use_gpus), **told}, preexec_fn=die_with_parent)
-                 for r in range(world)]
-    else:
-        import utils.engine.build  # noqa: F401 - the rest of what a rank imports: once here, not once in every rank
+    errors = tempfile.mkdtemp(prefix="train_mp_errors.")  # not a TemporaryDirectory: a forked rank's exit removes it
+    told = {ERRORS_ENV: errors, **({} if early is None else early_stop_env(early))}
+    try:
+        if gpus:
+            procs = [subprocess.Popen([sys.executable, str(ENTRY_SCRIPT), *argv], env={
+                **rank_env(r, world, port, use_gpus), **told}, preexec_fn=die_with_parent) for r in range(world)]
+        else:
+            import utils.engine.build  # noqa: F401 - the rest of what a rank imports: once here, not in every rank
 
-        procs = [ForkedRank({**rank_env(r, world, port, False), **told}, argv) for r in range(world)]
-    forward_stop_signals(procs, take_early_stop())  # one that came while the ranks were being started
-    return supervise(procs)
+            procs = [ForkedRank({**rank_env(r, world, port, False), **told}, argv) for r in range(world)]
+        forward_stop_signals(procs, take_early_stop())  # one that came while the ranks were being started
+        return supervise(procs)
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
 
