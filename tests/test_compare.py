@@ -186,3 +186,95 @@ def test_a_launch_in_the_same_second_is_read_after_the_one_it_resumes(tmp_path):
         (1, 1.0), (2, pytest.approx(0.9)), (3, pytest.approx(0.8)), (4, 0.5), (5, pytest.approx(0.4))]
     shown = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0}).Reload().Scalars("train/loss")
     assert [e.step for e in shown] == [1, 2, 3, 4, 5]  # what TensorBoard draws, in its order
+
+
+def fake_run(folder, *overrides: str, presets: bool = True, losses=(1.0, 0.8, 0.6)):
+    """A run directory as train.py leaves it, without training: config.yaml of `overrides`, presets.json (unless
+    left out, as by a run from before it), and TensorBoard events of a few steps."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from utils.checkpoints.run_dir import PRESETS_FILE, preset_facts, write_facts
+    from utils.cli.config import load_config
+
+    folder.mkdir(parents=True)
+    _, choices, config_yaml = load_config(list(overrides))
+    (folder / "config.yaml").write_text(config_yaml)
+    if presets:
+        write_facts(folder, PRESETS_FILE, preset_facts(choices))
+    writer = SummaryWriter(log_dir=str(folder))
+    for step, value in enumerate(losses, start=1):
+        writer.add_scalar("train/loss", value, step)
+        writer.add_scalar("perf/samples_per_sec", 10.0 * step, step)
+    writer.close()
+    return folder
+
+
+def test_a_glob_skips_a_crashed_point_with_a_warning(tmp_path, capsys):
+    """A sweep point that crashed before its first event leaves only train.log: a glob names it in one warning line
+    and compares the others; the folder alone, or a glob of such folders only, is still refused."""
+    sweep = tmp_path / "sweep"
+    fake_run(sweep / "0", "optim.lr=5e-4")
+    fake_run(sweep / "2", "optim.lr=2e-3")
+    (sweep / "1").mkdir()
+    (sweep / "1" / "train.log").write_text("Traceback (most recent call last): ...\n")
+    assert main([str(sweep / "*")]) == 0
+    captured = capsys.readouterr()
+    assert [row["run"] for row in table_rows(captured.out)] == ["0", "2"]
+    assert captured.err.splitlines() == [f"warning: skipped {sweep / '1'}, matched by {str(sweep / '*')!r}: not a run "
+                                         "directory (it has no config.yaml and no TensorBoard events)"]
+    for bad in (str(sweep / "1"), str(sweep / "1*")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(sweep / "0"), bad])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert f"{sweep / '1'}" in lines[0] and "(RUN_DIR)" in lines[0]
+
+
+def test_the_settings_that_differ_are_columns_and_legends(tmp_path, capsys, monkeypatch):
+    """An lr sweep: an optim.lr column and `optim.lr=...` in the figures' legends instead of the folders' digests;
+    run.* paths and logging cadence are left out, a layout's dp mode is shown (its axis sizes are the layout's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils.compare.figures import plot_loss
+    from utils.compare.report import label_runs, load_run
+
+    a = fake_run(tmp_path / "vit_tiny-era5_synthetic-single-fp32", "optim.lr=5e-4", "trainer.log_every=5")
+    b = fake_run(tmp_path / "vit_tiny-era5_synthetic-single-fp32-7691b9", "optim.lr=1e-3", f"run.root={tmp_path}")
+    assert main([str(a), str(b)]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert [(row["run"], row["optim.lr"]) for row in rows] == [(a.name, "0.0005"), (b.name, "0.001")]
+    assert list(rows[0])[:3] == ["run", "optim.lr", "layout"]  # nothing else differs that matters
+    runs = [load_run(d, d.name) for d in (a, b)]
+    label_runs(runs)
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    plot_loss(plt, runs, tmp_path / "loss.png", against_time=False)
+    assert closed[0].axes[0].get_legend_handles_labels()[1] == ["optim.lr=0.0005 train", "optim.lr=0.001 train"]
+
+    c = fake_run(tmp_path / "fsdp", "optim.lr=1e-3", "parallel.dp_mode=fsdp", "parallel.tp=2")
+    runs = [load_run(d, d.name) for d in (b, c)]
+    settings = label_runs(runs)
+    assert settings.columns == ["parallel.dp_mode"] and [r.label for r in runs] == [
+        "single, parallel.dp_mode=ddp", "tp2, parallel.dp_mode=fsdp"]
+
+
+def test_presets_chosen_differently_are_one_column(tmp_path, capsys):
+    """Another model and data: `model` and `data` columns (from presets.json) instead of some forty settings; runs
+    without presets.json: the family keys first, at most 6 columns, the others named under the table."""
+    vit = fake_run(tmp_path / "with" / "vit", "optim.lr=1e-3")
+    gpt = fake_run(tmp_path / "with" / "gpt", "model=gpt_tiny", "data=wikitext_sample")
+    assert main([str(vit), str(gpt)]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert list(rows[0])[:5] == ["run", "model", "data", "optim.lr", "layout"]
+    assert [(row["model"], row["data"]) for row in rows] == [("vit_tiny", "era5_synthetic"),
+                                                             ("gpt_tiny", "wikitext_sample")]
+    old = [fake_run(tmp_path / "old" / d.name, *args, presets=False)
+           for d, args in ((vit, ["optim.lr=1e-3"]), (gpt, ["model=gpt_tiny", "data=wikitext_sample"]))]
+    assert main([str(d) for d in old]) == 0
+    out = capsys.readouterr().out
+    assert list(table_rows(out)[0])[1:8] == ["data.kind", "model.arch", "task.kind", "optim.lr", "data.attention",
+                                             "data.bpe_vocab_size", "layout"]
+    assert "other settings that differ between the runs: data.channels, " in out

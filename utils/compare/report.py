@@ -1,17 +1,20 @@
 """Compare runs side by side: `python -m utils.compare RUN_DIR... [--out DIR]`
 (and where two runs part: `--diverge RUN_A RUN_B`, utils/compare/diverge.py).
 
-Prints a markdown table with one row per run directory: layout and ranks, precision, steps, final and best
-train and validation loss, the task's headline metric (val/ppl for the language model, val/rmse/u10m for
-the ViT), medians of the throughput figures, peak memory, and the communication bytes per step of each
-axis. With `--out DIR` it also writes DIR/compare.md, DIR/compare.csv and figures: loss against step and
-against wall-clock time, throughput per run, and (when the runs differ in rank count) throughput against
-ranks with ideal linear scaling from the smallest run.
+Prints a markdown table with one row per run directory: the settings that differ between the runs
+(utils/compare/settings.py), layout and ranks, precision, steps, final and best train and validation loss, the
+task's headline metric (val/ppl for the language model, val/rmse/u10m for the ViT), medians of the throughput
+figures, peak memory, and the communication bytes per step of each axis. With `--out DIR` it also writes
+DIR/compare.md, DIR/compare.csv and figures (utils/compare/figures.py): loss against step and against wall-clock
+time, throughput per run, and (when the runs differ in rank count) throughput against ranks with ideal linear
+scaling from the smallest run, each run labelled by the settings that tell it apart. A glob's folders that are
+not runs (a sweep point that crashed before its first event) are named in a warning and skipped; a glob without
+a run, or a path given alone that is not one, is an error.
 
-Everything is read from what a run leaves in its directory: config.yaml (precision), layout.json (the
-resolved layout of its last launch, utils/checkpoints/run_dir.py), task.json (the metric the run is judged by: its
-column) and every TensorBoard event file (a resumed run has one per launch; the last value written for a
-step wins). Medians are over whatever points a tag has.
+Everything is read from what a run leaves in its directory: config.yaml (precision, settings), presets.json
+(the presets chosen), layout.json (the resolved layout of its last launch, utils/checkpoints/run_dir.py),
+task.json (the metric the run is judged by: its column) and every TensorBoard event file (a resumed run has one
+per launch; the last value written for a step wins). Medians are over whatever points a tag has.
 Only the standard library is imported at the top, so `--help` and argument errors answer at once.
 """
 
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from utils import ConfigError, exit_bad_input, require
+from utils.compare.figures import write_figures
+from utils.compare.settings import Settings, compare_settings, more_note
 
 Curve = list[tuple[int, float, float]]  # (step, seconds since the run's first event, value), by step
 COMM_TAG = re.compile(r"comm/(.+)_bytes")
@@ -78,26 +83,35 @@ class Run:
     precision: str
     curves: dict[str, Curve]  # every scalar tag
     quality: str | None = None  # the TensorBoard tag of the task's quality metric (task.json), if recorded
+    config: dict[str, object] | None = None  # config.yaml, flat ({"optim.lr": 0.001, ...})
+    presets: dict[str, str | None] | None = None  # presets.json, if recorded
+    label: str = ""  # what tells it apart from the other runs compared (utils/compare/settings.py), or its name
 
 
 # ---------------------------------------------------------------------------------------------- reading
 
-def run_dirs(patterns: list[str]) -> list[Path]:
-    """The run directories the arguments name (globs expanded, sorted), checked before anything is read."""
+def run_dirs(patterns: list[str]) -> tuple[list[Path], list[str]]:
+    """The run directories the arguments name (globs expanded, sorted), checked before anything is read, and a
+    warning for each folder a glob matched that is not a run (skipped). A glob that matches no run at all, and a
+    path given alone that is not one, are refused."""
     dirs: list[Path] = []
+    skipped: list[str] = []
     for arg in patterns:
         matches = sorted(glob.glob(arg))
         is_glob = any(c in arg for c in "*?[")
         require(bool(matches), f"{arg!r} " + ("matches nothing" if is_glob else "does not exist"), "RUN_DIR",
                 "give run directories that train.py wrote (its run.dir), or a glob of them: 'outputs/*'")
-        for path in map(Path, matches):
-            problem = not_a_run(path)
-            require(problem is None, f"{path} is not a run directory: {problem}", "RUN_DIR",
-                    f"narrow {arg!r} to the run directories train.py wrote (its run.dir)" if is_glob
-                    else "give a directory that train.py wrote (its run.dir)")
-            if path not in dirs:
-                dirs.append(path)
-    return dirs
+        problems = {path: not_a_run(path) for path in map(Path, matches)}
+        runs = [path for path, problem in problems.items() if problem is None]
+        if not runs:
+            path, problem = next(iter(problems.items()))
+            raise ConfigError(f"{path} is not a run directory: {problem}" if not is_glob else
+                              f"{arg!r} matches no run directory ({path}: {problem})", "RUN_DIR",
+                              "give a directory that train.py wrote (its run.dir), or a glob that matches some")
+        skipped += [f"warning: skipped {path}, matched by {arg!r}: not a run directory ({problem})"
+                    for path, problem in problems.items() if problem is not None]
+        dirs += [path for path in runs if path not in dirs]
+    return dirs, skipped
 
 
 def not_a_run(path: Path) -> str | None:
@@ -150,13 +164,15 @@ def layout_of(run_dir: Path, parallel: dict) -> tuple[str, int]:
 def load_run(run_dir: Path, name: str) -> Run:
     from omegaconf import OmegaConf
 
-    from utils.checkpoints.run_dir import TASK_FILE, read_facts
+    from utils.checkpoints.run_dir import PRESETS_FILE, TASK_FILE, flat_config, read_facts
 
-    config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    text = (run_dir / "config.yaml").read_text()
+    config = OmegaConf.to_container(OmegaConf.create(text))
     layout, ranks = layout_of(run_dir, config.get("parallel") or {})
     precision = (config.get("precision") or {}).get("mode", "")
     task = read_facts(run_dir, TASK_FILE) or {}
-    return Run(name, layout, ranks, precision, read_curves(run_dir), task.get("quality_metric"))
+    return Run(name, layout, ranks, precision, read_curves(run_dir), task.get("quality_metric"), flat_config(text),
+               read_facts(run_dir, PRESETS_FILE), name)
 
 
 def run_names(dirs: list[Path]) -> list[str]:
@@ -202,9 +218,19 @@ def quality_key(tag: str) -> str:
     return tag.replace("/", "_")
 
 
-def table_columns(runs: list[Run], rows: list[dict[str, object]]) -> list[Column]:
-    """The fixed columns, each run's quality metric after the losses, then one per axis with traffic."""
-    columns = list(COLUMNS)
+def label_runs(runs: list[Run]) -> Settings:
+    """The settings that differ between the runs (table columns), each run's label set from them."""
+    settings = compare_settings([r.config for r in runs], [r.presets for r in runs], [r.layout for r in runs],
+                                [r.precision for r in runs], [r.name for r in runs])
+    for run, label in zip(runs, settings.labels):
+        run.label = label
+    return settings
+
+
+def table_columns(runs: list[Run], rows: list[dict[str, object]], settings: list[str] = ()) -> list[Column]:
+    """The run's name, the `settings` that differ between the runs, the fixed columns, each run's quality metric
+    after the losses, then one per axis with traffic."""
+    columns = [COLUMNS[0], *(Column(key, key, str) for key in settings), *COLUMNS[1:]]
     tags = dict.fromkeys(tag for run in runs if (tag := run.quality))  # first seen first
     at = [c.key for c in columns].index(QUALITY_AFTER) + 1
     columns[at:at] = [Column(quality_key(tag), tag, _num(".4g")) for tag in tags]
@@ -231,97 +257,6 @@ def write_csv(path: Path, rows: list[dict[str, object]], columns: list[Column]) 
         writer = csv.DictWriter(f, fieldnames=[c.key for c in columns], extrasaction="ignore")
         writer.writeheader()
         writer.writerows({c.key: "" if row.get(c.key) is None else row[c.key] for c in columns} for row in rows)
-
-
-# --------------------------------------------------------------------------------------------- the figures
-
-def plot_loss(plt, runs: list[Run], path: Path, against_time: bool) -> None:
-    """Train loss solid, validation loss dashed, one colour per run; x = step or seconds since start."""
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, run in enumerate(runs):
-        colour = colours[i % len(colours)]
-        for tag, style, what in (("train/loss", "-", "train"), ("val/loss", "--", "val")):
-            curve = run.curves.get(tag, [])
-            if curve:
-                x = [t if against_time else step for step, t, _ in curve]
-                ax.plot(x, [v for _, _, v in curve], style, color=colour, label=f"{run.name} {what}",
-                        marker="o" if what == "val" else None, markersize=3)
-    ax.set_xlabel("wall-clock time since the run's first event (s)" if against_time else "step")
-    ax.set_ylabel("loss")
-    ax.set_title("loss against " + ("wall-clock time" if against_time else "step"))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_throughput(plt, rows: list[dict[str, object]], path: Path) -> None:
-    """Median samples/s per run, one bar each."""
-    shown = [row for row in rows if row["samples_per_sec"] is not None]
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.45 * max(len(shown), 1)))
-    bars = ax.barh([row["run"] for row in shown], [row["samples_per_sec"] for row in shown])
-    ax.bar_label(bars, fmt="%.1f", padding=3)
-    ax.invert_yaxis()  # the table's order, top to bottom
-    ax.set_xlabel("samples/s (median over the logged steps)")
-    ax.set_title("throughput per run")
-    ax.margins(x=0.15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_scaling(plt, rows: list[dict[str, object]], path: Path) -> None:
-    """Median samples/s against ranks, and ideal linear scaling from the smallest run (its best
-    throughput when several runs share the smallest rank count)."""
-    from matplotlib import ticker
-
-    shown = [row for row in rows if row["samples_per_sec"] is not None]
-    fig, ax = plt.subplots(figsize=(7, 5))
-    if shown:
-        smallest = min(row["ranks"] for row in shown)
-        base = max(row["samples_per_sec"] for row in shown if row["ranks"] == smallest)
-        ranks = sorted({row["ranks"] for row in shown})
-        ax.plot(ranks, [base * n / smallest for n in ranks], "k--",
-                label=f"ideal linear scaling from {smallest} rank(s)")
-        colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # each run's colour in the loss figures
-        for i, row in enumerate(rows):
-            if row["samples_per_sec"] is None:
-                continue
-            ax.plot(row["ranks"], row["samples_per_sec"], "o", color=colours[i % len(colours)],
-                    label=f"{row['run']} ({row['layout']})")  # in the legend: labels beside points overlap
-        ax.set_xscale("log", base=2)  # log-log: ideal scaling is a straight line
-        ax.set_yscale("log")
-        ax.set_xticks(ranks, [str(n) for n in ranks])
-        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("samples/s (median)")
-    ax.set_title("throughput against ranks")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_figures(out: Path, runs: list[Run], rows: list[dict[str, object]]) -> list[str]:
-    """The PNG figures in `out`; their file names. matplotlib is imported here, for --out only."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plot_loss(plt, runs, out / "loss_vs_step.png", against_time=False)
-    plot_loss(plt, runs, out / "loss_vs_time.png", against_time=True)
-    plot_throughput(plt, rows, out / "throughput.png")
-    names = ["loss_vs_step.png", "loss_vs_time.png", "throughput.png"]
-    if len({row["ranks"] for row in rows}) > 1:
-        plot_scaling(plt, rows, out / "scaling.png")
-        names.append("scaling.png")
-    return names
 
 
 # ------------------------------------------------------------------------------------------------ the entry
@@ -353,20 +288,23 @@ def main(argv: list[str] | None = None) -> int:
                                        "python -m utils.compare --diverge RUN_A RUN_B"))
         return report(*args.runs, args.rtol)
     try:
-        dirs = run_dirs(args.runs)
+        dirs, skipped = run_dirs(args.runs)
         require(args.out is None or not args.out.exists() or args.out.is_dir(), f"{args.out} is a file", "--out",
                 "give a directory (created if missing)")
     except ConfigError as err:
         exit_bad_input(err)
+    for warning in skipped:
+        print(warning, file=sys.stderr)
     runs = [load_run(d, name) for d, name in zip(dirs, run_names(dirs))]
-    rows = [run_row(run) for run in runs]
-    columns = table_columns(runs, rows)
-    report = markdown_table(rows, columns) + "\n\n" + NOTE
+    settings = label_runs(runs)
+    rows = [{**run_row(run), **values} for run, values in zip(runs, settings.values)]
+    columns = table_columns(runs, rows, settings.columns)
+    report = "\n".join(filter(None, [markdown_table(rows, columns), more_note(settings)])) + "\n\n" + NOTE
     print(report)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         write_csv(args.out / "compare.csv", rows, columns)
-        figures = write_figures(args.out, runs, rows)
+        figures = write_figures(args.out, runs, [{**row, "label": run.label} for run, row in zip(runs, rows)])
         links = "\n".join(f"![{name[:-4].replace('_', ' ')}]({name})" for name in figures)
         (args.out / "compare.md").write_text(f"# Run comparison\n\n{report}\n\n{links}\n")
         print(f"wrote {args.out}/compare.md, compare.csv, {', '.join(figures)}", file=sys.stderr)
