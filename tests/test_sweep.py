@@ -7,6 +7,7 @@ multirun/ folders, no .hydra/ and no log files of its own.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers import ROOT, read_scalars, run_main
-from utils.checkpoints.run_dir import read_layout
+from utils.checkpoints.run_dir import PRESETS_FILE, read_facts, read_layout
 from utils.cli.hydra_app import SUBMITIT_MAX_NUM_TIMEOUT, is_hydra_command, with_launcher_defaults, with_sweep_subdir
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
@@ -178,3 +179,63 @@ def test_submitit_slurm_requeues_a_timed_out_point_unless_told_otherwise():
     assert with_launcher_defaults(given, given[1:]) == given
     local = ["-m", "hydra/launcher=submitit_local", "optim.lr=1,2"]
     assert with_launcher_defaults(local, local[1:]) == local
+
+
+def test_points_that_would_share_a_run_dir_are_refused_before_any_trains(tmp_path, monkeypatch):
+    """`-m optim.lr=5e-4,1e-3 run.dir=X` trained point 0 and then refused point 1 in X (other settings); now one line
+    names both points and the fix, before either trains. Default names collide too where the points differ in
+    settings that do not rename a run (an optimizer preset): a run.tag interpolating the swept setting is the fix."""
+    shared = tmp_path / "shared"
+    code, lines = refuse(tmp_path / "cwd", monkeypatch, "-m", "optim.lr=5e-4,1e-3", f"run.dir={shared}",
+                         "trainer.max_steps=4", f"run.root={tmp_path / 'runs'}")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: sweep points #0 (optim.lr=0.0005) and #1 (optim.lr=0.001) would train in one "
+                               f"run directory {shared} with other settings (optim.lr: 0.0005 -> 0.001) (run.dir): "
+                               "drop run.dir= "), lines[0]
+    assert "'run.tag=lr${optim.lr}'" in lines[0] and not shared.exists()
+    code, lines = refuse(tmp_path / "cwd", monkeypatch, "-m", "optim=adam,adamw", f"run.root={tmp_path / 'runs'}")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: sweep points #0 (optim=adam) and #1 (optim=adamw) would train in one run "
+                               "directory ") and "(optim=adam -> adamw; " in lines[0], lines[0]
+    assert "(run.tag): name each point's folder apart with 'run.tag=${optim.name}'" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_point_whose_run_dir_holds_other_settings_is_refused_before_any_trains(tmp_path, monkeypatch):
+    """Point 1's folder holds checkpoints of another depth: refused before point 0 trains (before, point 0 trained
+    and the sweep stopped at point 1)."""
+    from utils.cli.config import load_config
+
+    common = [f"run.root={tmp_path / 'runs'}", "run.tag=lr${optim.lr}", "trainer.max_steps=4"]
+    second = single_run_dir("optim.lr=1e-3", *common)
+    (second / "checkpoints").mkdir(parents=True)
+    (second / "checkpoints" / "latest").write_text("step_0000004")
+    (second / "config.yaml").write_text(load_config(["optim.lr=1e-3", "model.depth=2", *common])[2])
+    code, lines = refuse(tmp_path / "cwd", monkeypatch, "-m", "optim.lr=5e-4,1e-3", *common)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: sweep point #1 (optim.lr=0.001 ") and \
+        f": {second} holds checkpoints of a run with other settings (model.depth: 2 -> 4) (run.dir): " in lines[0]
+    assert list((tmp_path / "runs").iterdir()) == [second]
+
+
+def test_the_documented_tagged_sweep_names_each_point_and_compare_shows_the_lr(tmp_path, era5_root, capsys):
+    """docs/configuration.md's sweep with `'run.tag=lr${optim.lr}'` and its compare command, at tiny settings: each
+    point's folder ends with its lr, records its presets, and compare's table has an optim.lr column."""
+    from utils.compare.report import main as compare
+
+    lines = (ROOT / "docs" / "configuration.md").read_text().splitlines()
+    sweep = shlex.split(next(line for line in lines if line.startswith("python train.py -m optim.lr=5e-4,1e-3 ")))
+    glob = shlex.split(next(line for line in lines if line.startswith("python -m utils.compare 'outputs/")))[3]
+    runs = tmp_path / "runs"
+    proc = train(tmp_path / "cwd", *sweep[2:], f"data.root={era5_root}", *TINY, f"run.root={runs}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    trained = sorted(runs.iterdir(), key=lambda d: d.name.rsplit("-", 1)[-1])
+    assert [d.name.rsplit("-", 1)[-1] for d in trained] == ["lr0.0005", "lr0.001"]
+    for run_dir in trained:
+        check_trained(run_dir)
+        assert read_facts(run_dir, PRESETS_FILE) == {"model": "vit_tiny", "data": "era5_synthetic", "precision": "fp32",
+                                                     "parallel": "single", "optim": "adam", "experiment": None}
+    assert compare([glob.replace("outputs/", f"{runs}/", 1)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| run | optim.lr | layout |"), table
+    assert sorted(line.split(" | ")[1] for line in table[1:]) == ["0.0005", "0.001"], table

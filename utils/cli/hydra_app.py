@@ -28,7 +28,9 @@ status. Under a submitit launcher (`record_submitit_stops`, `end_submitit_point`
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -76,8 +78,9 @@ def with_sweep_subdir(argv: list[str], overrides: list[str]) -> list[str]:
 
 
 def check_points(overrides: list[str], multirun: bool) -> str | None:
-    """Compose and validate every point as a single run (ConfigError at the first bad one); the sweep's
-    run.root (None when another sweeper chooses the points: Hydra validates those)."""
+    """Compose and validate every point as a single run (ConfigError at the first bad one), and the run
+    directories of a sweep's points; the sweep's run.root (None when another sweeper chooses the points: Hydra
+    validates those)."""
     from utils.cli.config import load_config, sweep_points
 
     hydra_args = [o for o in overrides if _is_hydra_key(o)]
@@ -85,10 +88,77 @@ def check_points(overrides: list[str], multirun: bool) -> str | None:
     if multirun and (_given(hydra_args, "hydra/sweeper") or any(o.startswith("hydra.sweeper.") for o in hydra_args)):
         return None
     points = sweep_points(task_args) if multirun else [task_args]
-    cfgs = [load_config((hydra_args if i == 0 else []) + point)[0] for i, point in enumerate(points)]
+    loaded = [load_config((hydra_args if i == 0 else []) + point) for i, point in enumerate(points)]
+    cfgs = [cfg for cfg, _, _ in loaded]
     if multirun:
         check_launcher_ranks(hydra_args, points, cfgs)
+        check_point_run_dirs(hydra_args, points, loaded)
     return cfgs[0].run.root
+
+
+def _point(num: int, point: list[str]) -> str:
+    return f"#{num} ({' '.join(point) or 'no overrides'})"
+
+
+def check_point_run_dirs(hydra_args: list[str], points: list[list[str]], loaded: list[tuple]) -> None:
+    """Before any point trains: refuse two points that would train in one run directory with other settings
+    (the second would refuse the first's checkpoints, or continue them), and a point whose run directory holds
+    checkpoints of other settings. A point in Hydra's job folder (hydra.sweep.dir, no run.dir) has its own."""
+    from utils.checkpoints.run_dir import changed_settings, summary
+    from utils.cli.launch import ranks_needed
+    from utils.cli.runs import check_run_dir, run_digest
+    from utils.launch_env import launch_env
+
+    world, single = _launcher_world(hydra_args), launch_env().source == "single"
+    seen: dict[str, int] = {}
+    for num, (point, (cfg, choices, config_yaml)) in enumerate(zip(points, loaded)):
+        if cfg.run.dir is None and _given(hydra_args, "hydra.sweep.dir"):
+            continue
+        ranks = world or (ranks_needed(cfg.parallel) if single else None)  # None: this launch's (torchrun's)
+        try:
+            run_dir = check_run_dir(cfg, choices, config_yaml, run_digest(cfg, choices, config_yaml), ranks)
+        except ConfigError as err:
+            raise ConfigError(f"sweep point {_point(num, point)}: {err.what}", err.setting, err.fix) from None
+        first = seen.setdefault(os.path.abspath(run_dir), num)
+        _, first_choices, first_yaml = loaded[first]
+        changed = changed_settings(first_yaml, config_yaml, first_choices, choices, ignore=("run.",))
+        if changed:
+            apart = [[o for o in a if o not in b] for a, b in ((points[first], point), (point, points[first]))]
+            raise ConfigError(f"sweep points {_point(first, apart[0])} and {_point(num, apart[1])} would train in one "
+                              f"run directory {run_dir} with other settings ({summary(changed)})",
+                              "run.dir" if cfg.run.dir else "run.tag",
+                              _own_dirs_fix(cfg.run.dir, apart[1], first_yaml, config_yaml))
+
+
+def _own_dirs_fix(run_dir: str | None, overrides: list[str], first_yaml: str, config_yaml: str) -> str:
+    """How to give each point of a sweep its own run directory: a run.tag interpolating a setting they differ in
+    (the swept one, else the family key of a swept preset's section: 'run.tag=${optim.name}')."""
+    from utils.checkpoints.run_dir import IDENTITY_KEYS, flat_config
+
+    first, other = flat_config(first_yaml), flat_config(config_yaml)
+    swept = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    keys = sorted((k for k in first.keys() & other.keys() if not k.startswith("run.") and first[k] != other[k]
+                   and all(re.fullmatch(r"[\w.+=-]+", str(v)) for v in (first[k], other[k]))),
+                  key=lambda k: (k not in swept, k.rsplit(".", 1)[-1] not in IDENTITY_KEYS, k))
+    key = keys[0] if keys else "optim.lr"
+    name = "" if key.rsplit(".", 1)[-1] in IDENTITY_KEYS else key.rsplit(".", 1)[-1]
+    tag = f"'run.tag={name}${{{key}}}'"
+    if run_dir:
+        return (f"drop run.dir= so that each point gets its own folder under run.root, named apart by {tag}, "
+                "or set hydra.sweep.dir=DIR (point i trains in DIR/i)")
+    return f"name each point's folder apart with {tag}, or set hydra.sweep.dir=DIR (point i trains in DIR/i)"
+
+
+def _launcher_world(hydra_args: list[str]) -> int | None:
+    """The ranks of a point under a submitit launcher with several tasks per point; None: the point starts the
+    ranks its layout needs."""
+    if not (_value(hydra_args, "hydra/launcher") or "").startswith("submitit"):
+        return None
+    try:
+        world = math.prod(int(_value(hydra_args, f"hydra.launcher.{k}") or 1) for k in ("nodes", "tasks_per_node"))
+    except ValueError:
+        return None
+    return world if world > 1 else None
 
 
 def _value(overrides: list[str], key: str) -> str | None:
