@@ -18,7 +18,6 @@ import sys
 import pytest
 import torch
 
-import utils.engine.logger  # noqa: F401 - before any capsys test: its is_person_terminal binds sys.stdout at import
 from tests.helpers import ROOT
 from utils import ConfigError
 from utils.plan.cost_model import link_gbs, main, plan_layout, table

@@ -35,9 +35,10 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> logging.Logger:
     return log
 
 
-def is_person_terminal(stream=sys.stdout, environ=os.environ) -> bool:
-    """Whether `stream` is a terminal a person watches: not under Slurm or submitit, whose `srun -u`
-    (`--unbuffered`) gives every task a pseudo-terminal that ends up in the job log."""
+def is_person_terminal(stream=None, environ=None) -> bool:
+    """Whether `stream` (sys.stdout as it is now) is a terminal a person watches: not under Slurm or submitit,
+    whose `srun -u` (`--unbuffered`) gives every task a pseudo-terminal that ends up in the job log."""
+    stream, environ = stream or sys.stdout, os.environ if environ is None else environ
     under_scheduler = any(var in environ for var in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SUBMITIT_EXECUTOR"))
     return stream.isatty() and not under_scheduler
 
