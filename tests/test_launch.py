@@ -49,7 +49,27 @@ def test_a_bad_input_of_a_local_launch_is_printed_once(case, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
     assert ("launching 2 ranks" in proc.stdout) == (case == "data"), proc.stdout
-    assert not list((tmp_path / "tmp").iterdir())  # the launcher's folder for its ranks' error lines is gone
+    assert not list((tmp_path / "tmp").iterdir())  # the launcher's file of its ranks' error lines: unlinked
+
+
+def test_an_error_line_is_told_once_per_launch(tmp_path):
+    """The ranks of one launch share the launcher's unlinked file: the first to tell a line prints it; a descriptor
+    that is not that file (a stale variable in a process that did not inherit it) is never written to."""
+    import tempfile
+
+    from utils.cli.local_launch import ERRORS_ENV, first_to_tell
+
+    with tempfile.TemporaryFile() as told, (tmp_path / "other").open("w+b") as other:
+        stat = os.fstat(told.fileno())
+        env = {ERRORS_ENV: f"{told.fileno()}:{stat.st_dev}:{stat.st_ino}"}
+        assert first_to_tell("error: a", env) and not first_to_tell("error: a", env) and first_to_tell("error: b", env)
+        child = os.fork()
+        if child == 0:  # a forked rank: the same file, the same open description
+            os._exit(0 if not first_to_tell("error: b", env) and first_to_tell("error: c", env) else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0 and not first_to_tell("error: c", env)
+        stale = {ERRORS_ENV: f"{other.fileno()}:{stat.st_dev}:{stat.st_ino}"}
+        assert first_to_tell("error: a", stale) and first_to_tell("error: a", stale) and first_to_tell("x", {})
+        assert other.read() == b""
 
 
 def test_supervisor_stops_the_other_ranks_when_one_fails():

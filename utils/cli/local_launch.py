@@ -19,9 +19,7 @@ outlives the launcher.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -47,7 +45,7 @@ from utils.engine.preemption import (
 from utils.launch_env import LaunchEnv, launch_env
 
 ENTRY_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"  # what a new rank interpreter runs
-ERRORS_ENV = "TRAIN_MP_ERRORS"  # a folder the launcher shares with its ranks: each bad-input line printed once
+ERRORS_ENV = "TRAIN_MP_ERRORS"  # 'fd:device:inode' of the launcher's file of the error lines its ranks printed
 
 
 def starts_local_ranks(cfg) -> bool:
@@ -90,15 +88,32 @@ def run_command(argv: list[str]) -> int:
 def exit_bad_input_once(err: ConfigError) -> None:
     """`exit_bad_input`; among the ranks of one local launch (`ERRORS_ENV` set), an error line that another rank
     printed already is not printed again (the same data error, found by every rank)."""
-    folder = os.environ.get(ERRORS_ENV)
-    if folder:
-        try:
-            (Path(folder) / hashlib.sha1(err.line().encode()).hexdigest()).open("x").close()
-        except FileExistsError:
-            raise SystemExit(EXIT_BAD_INPUT) from None
-        except OSError:
-            pass  # the launcher's folder is gone: print it
+    if not first_to_tell(err.line()):
+        raise SystemExit(EXIT_BAD_INPUT)
     exit_bad_input(err)
+
+
+def first_to_tell(line: str, environ=os.environ) -> bool:
+    """Whether no other rank of this launch printed `line` (then recorded as printed): the launcher's file, an
+    unlinked one each rank inherits (nothing is left behind, however the launcher ends), read and appended under a
+    lock. True outside such a launch, or when the descriptor named is not that file."""
+    import fcntl
+
+    try:
+        fd, device, inode = (int(part) for part in environ.get(ERRORS_ENV, "").split(":"))
+        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != (device, inode):
+            return True
+        fcntl.lockf(fd, fcntl.LOCK_EX)  # a process's lock: forked ranks share the file's description
+    except (ValueError, OSError):
+        return True
+    try:
+        told = os.pread(fd, os.fstat(fd).st_size, 0).decode().splitlines()
+        if line in told:
+            return False
+        os.pwrite(fd, f"{line}\n".encode(), os.fstat(fd).st_size)
+        return True
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
 
 
 def parse_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
@@ -293,12 +308,14 @@ def launch(argv: list[str], world: int, use_gpus: bool) -> int:
     port = free_port()
     print(f"train_mp: launching {world} ranks on {'GPUs' if use_gpus else 'CPU (gloo)'}", flush=True)
     early = take_early_stop()  # before forking: handed to every rank in its environment, not sent to it
-    errors = tempfile.mkdtemp(prefix="train_mp_errors.")  # not a TemporaryDirectory: a forked rank's exit removes it
-    told = {ERRORS_ENV: errors, **({} if early is None else early_stop_env(early))}
+    errors = tempfile.TemporaryFile()  # the error lines the ranks printed (`first_to_tell`)
+    fd, stat = errors.fileno(), os.fstat(errors.fileno())
+    told = {ERRORS_ENV: f"{fd}:{stat.st_dev}:{stat.st_ino}", **({} if early is None else early_stop_env(early))}
     try:
         if gpus:
             procs = [subprocess.Popen([sys.executable, str(ENTRY_SCRIPT), *argv], env={
-                **rank_env(r, world, port, use_gpus), **told}, preexec_fn=die_with_parent) for r in range(world)]
+                **rank_env(r, world, port, use_gpus), **told}, preexec_fn=die_with_parent, pass_fds=(fd,))
+                for r in range(world)]
         else:
             import utils.engine.build  # noqa: F401 - the rest of what a rank imports: once here, not in every rank
 
@@ -306,5 +323,5 @@ def launch(argv: list[str], world: int, use_gpus: bool) -> int:
         forward_stop_signals(procs, take_early_stop())  # one that came while the ranks were being started
         return supervise(procs)
     finally:
-        shutil.rmtree(errors, ignore_errors=True)
+        errors.close()
 
