@@ -168,7 +168,7 @@ def build_run(cfg: Config, choices: dict[str, str], config_yaml: str, digest: st
         run_dir = run_dir_for(cfg, choices, layout_name(sizes, parse_order(cfg.parallel.order)), digest)
         previous = resume_run_dir(cfg.trainer.resume, run_dir)
         if previous is not None:
-            check_resumable(previous, config_yaml)
+            check_resumable(previous, config_yaml, choices)
         if cfg.trainer.init_from:
             check_init_from(Path(cfg.trainer.init_from), cfg, task)
         prepare_run_dir(run_dir)
