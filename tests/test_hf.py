@@ -116,7 +116,7 @@ def llama_args(folder: Path, corpus_root: Path) -> list[str]:
     """The model settings import-hf prints for the folder, and the data read with its tokenizer."""
     code, out, err = run_main("utils.export.convert", "import-hf", str(folder), str(folder.parent / "imported"))
     assert code == 0, err
-    settings = re.search(r"python train\.py (.*) data=wikitext data\.tokenizer=", out).group(1).split()
+    settings = re.search(r"python train\.py (.*) data=wikitext_sample data\.tokenizer=", out).group(1).split()
     return [*settings, "data=wikitext_sample", f"data.root={corpus_root}", f"data.tokenizer={folder}",
             "data.seq_len=32", "data.limit_eval_tokens=2048", "data.sample_tokens=0", "optim.lr=2e-3",
             "trainer.global_batch_size=8", "trainer.max_steps=4", "trainer.log_every=1", *QUIET]

@@ -245,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"and AutoTokenizer.from_pretrained('{args.folder}')")
         else:
             step, settings = import_hf(args.folder, args.run_dir, args.vocab_multiple)
-            print(f"wrote {step}\nstart a run from it: python train.py {' '.join(settings)} data=wikitext "
-                  f"data.tokenizer={args.folder} trainer.init_from={step}")
+            print(f"wrote {step}\nstart a run from it: python train.py {' '.join(settings)} data=wikitext_sample "
+                  f"data.tokenizer={args.folder} trainer.init_from={step}\n(on your own corpus: data=wikitext "
+                  f"data.root=<the folder of its wiki.*.tokens>)")
     except ConfigError as err:
         exit_bad_input(err)
     return 0
