@@ -88,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     result = summarize(items, choice_scores(items, requests, loglik, args.normalize))
     if not main_rank:
         return 0
-    print(f"accuracy {result.accuracy:.4f} +- {result.stderr:.4f} ({result.num_items} items, normalize="
-          f"{args.normalize})")
+    n, spread = result.num_items, f"+- {result.stderr:.4f}"
+    if result.accuracy in (0.0, 1.0):  # sqrt(p (1 - p) / n) is 0 there: the rule of three bounds it instead
+        spread = f"({'above' if result.accuracy else 'below'} {abs(result.accuracy - min(1.0, 3 / n)):.4f} at 95%)"
+    print(f"accuracy {result.accuracy:.4f} {spread} ({n} items, normalize={args.normalize})")
     print(f"{len(requests)} choices scored in {seconds:.2f} s", file=sys.stderr)
     if args.output is not None:
         args.output.write_text(json.dumps({"accuracy": result.accuracy, "stderr": result.stderr,
