@@ -52,8 +52,8 @@ def test_every_preset_composes():
 
 
 @pytest.mark.parametrize("overrides,setting", [
-    (["model=gpt_tiny"], "model"),  # a language model on ERA5
-    (["data=wikitext_sample"], "model"),  # a ViT on text
+    (["model=gpt_tiny"], "data"),  # a language model on ERA5: the data that fits it named first
+    (["data=wikitext_sample"], "data"),  # a ViT on text: the error names both fixes, the data first
     (["model=gpt_tiny", "data=wikitext_sample", "data.seq_len=512"], "data.seq_len"),  # > max_positions
     (["data.img_size=[32,62]"], "data.img_size"),  # not a multiple of the patch (4)
     (["parallel=tp8"], "parallel.tp"),  # 4 heads over 8 ranks

@@ -33,7 +33,7 @@ def test_gpt_tiny_beats_unigram(tmp_path, corpus_root):
     (["data.seq_len=512"], "data.seq_len"),  # above gpt_tiny's 256 positions
     (["data.tokenizer=char"], "data.tokenizer"),
     (["data=wikitext", "data.root=/nonexistent"], "data.root"),
-    (["model=vit_tiny"], "model"),
+    (["model=vit_tiny"], "data"),  # the error names the data that fits the model, then the models that fit the data
 ])
 def test_lm_bad_input(args, setting, tmp_path, corpus_root):
     code, _, err = run_main("train.py", *LM, f"data.root={corpus_root}", f"run.dir={tmp_path}", *args)

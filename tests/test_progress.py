@@ -2,8 +2,6 @@
 
 import logging
 
-import pytest
-
 from utils.engine import logger as logger_module
 from utils.engine.logger import Progress
 
@@ -37,7 +35,9 @@ def eta(line: str) -> str:
 
 
 def test_eta_weighs_the_steps_left_by_the_curriculum(monkeypatch):
-    curriculum = lambda step: min(4, 1 + step // 3)  # K = 1, 1, 1, 2, 2, 2, 3, ...
+    def curriculum(step: int) -> int:  # K = 1, 1, 1, 2, 2, 2, 3, ...
+        return min(4, 1 + step // 3)
+
     lines = run(monkeypatch, 12, curriculum)
     assert eta(lines[0]) == "?"  # one step (compilation included) times nothing
     remaining = sum(curriculum(s) for s in range(2, 12))  # seconds left after step 2 at one second per K

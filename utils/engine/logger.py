@@ -74,7 +74,8 @@ class Progress:
             self.start_step, self.start = step, time.perf_counter()
         done = self.work_until(step) - self.work_until(self.start_step)
         per_work = (time.perf_counter() - self.start) / done if done else None
-        eta = "?" if per_work is None else f"{per_work * (self.work_until(self.max_steps) - self.work_until(step)):.0f}s"
+        left = self.work_until(self.max_steps) - self.work_until(step)
+        eta = "?" if per_work is None else f"{per_work * left:.0f}s"
         rollout = f"K={self.work(step - 1)} " if self.work_until(self.max_steps) != self.max_steps else ""
         text = (f"step {step}/{self.max_steps} loss {loss:.5f} lr {lr:.3g} {rollout}"
                 f"{samples_per_sec:.1f} samples/s ETA {eta}")
