@@ -8,6 +8,10 @@ import json
 
 import pytest
 
+# torch.testing.assert_close imports DTensor lazily: first imported inside the plugin test's nested run, pytester would
+# drop it from sys.modules afterwards, and its next import register torch's c10d_functional library twice
+import torch.distributed.tensor  # noqa: F401
+
 from tests.matrix import Mismatch
 from tests.planted_bugs import PLANTS, ROOT, targeted
 
