@@ -64,7 +64,7 @@ def wrap_data_parallel(model: nn.Module, *, grid: Grid, bucket_cap_mb: float = 2
     ddp = DistributedDataParallel(model, process_group=axis.group, bucket_cap_mb=bucket_cap_mb,
                                   device_ids=[device] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True, forward_sync_buffers=False)
-    ddp.register_comm_hook((axis, grid.batch.size), _allreduce_mean_hook)
+    ddp.register_comm_hook((axis, grid.batch.size), _allreduce_mean_hook)  # plant: ddp_divides_by_dp_x_cp
     return ddp
 
 
@@ -122,6 +122,7 @@ def sync_partial_grads(model: nn.Module) -> None:
     Records 2(t-1)/t x bytes of the flat buffer on the axis. Parameters without a gradient are skipped.
     """
     for axis, params in partial_grad_params(unwrap(model)).values():
+        # plant: partial_grads_skip_vectors (next line)
         sum_grads(params, axis)
 
 

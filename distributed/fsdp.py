@@ -72,7 +72,7 @@ def shard_data_parallel(model: nn.Module, *, grid: Grid, reshard_after_forward: 
         return model
     mesh = grid.replica_mesh  # 1-D over dp x cp
     # no param_dtype: autocast does the casting, as under DDP (module docstring)
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # plant: fsdp_casts_params_to_bf16, fsdp_reduces_in_bf16
     for block in model.blocks.children():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     if not pipeline:

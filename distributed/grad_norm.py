@@ -41,6 +41,7 @@ def _squares(model: nn.Module, skip: set[int], fsdp: AxisGroup) -> tuple[torch.T
             if p.grad is None or id(p) in seen:
                 continue
             seen.add(id(p))
+            # plant: fsdp_norm_skips_shard_sum (next line)
             axes = ((fsdp,) if isinstance(p.grad, DTensor) else ()) + ((module.shard_axis,) if name in names else ())
             groups.setdefault(tuple(a.name for a in axes), (axes, []))[1].append(local(p.grad).detach())
     sums = {key: (axes, _sum_of_squares(grads)) for key, (axes, grads) in groups.items()}

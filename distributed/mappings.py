@@ -68,7 +68,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad, ctx.axis), None
+        return all_reduce(grad, ctx.axis), None  # plant: tp_copy_skips_grad_sum
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -143,6 +143,7 @@ class _AllGatherLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         full = all_gather(x, ctx.axis, ctx.dim, ctx.sizes)  # the re-gather: counted like the forward one
         grad = grad.to(w.dtype)
+        # plant: sp_gather_linear_keeps_own_chunk (next line)
         grad_x = reduce_scatter(grad.matmul(w), ctx.axis, ctx.dim, ctx.via)  # (..., N_local, in)
         rows = grad.reshape(-1, grad.shape[-1])  # (B*N, out_local)
         grad_w = rows.t().matmul(full.reshape(-1, full.shape[-1])).to(ctx.dtypes[0])

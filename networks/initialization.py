@@ -96,7 +96,7 @@ def fill_(piece: torch.Tensor, init: Init, *, seed: int, key: str, full_shape: S
         lo, hi = max(start, first), min(stop, first + piece.shape[0])  # the piece's rows in this block
         values = values[lo - start:hi - start]
         for dim in range(1, piece.dim()):
-            values = values.narrow(dim, offsets[dim], piece.shape[dim])
+            values = values.narrow(dim, offsets[dim], piece.shape[dim])  # plant: init_columns_from_zero
         piece[lo - first:hi - first].copy_(values)
 
 

@@ -6,7 +6,16 @@ loss scaling, FSDP's precision, the initialisation, a refusal check, ...), writt
 match the code exactly once (a plant that no longer fits the code fails loudly instead of testing nothing). The
 planted text calls `_plant_hit()`, which the harness appends to each edited file: it touches a marker file,
 so a plant whose code never ran is reported as such; where the line also runs in the single-process reference,
-the planted text calls it only where the defect changes something. For each plant:
+the planted text calls it only where the defect changes something.
+
+Each edit's site is marked in the source: a comment `# plant: NAME` (`# plant: a, b` for several plants) at the end of
+the line where the edit's fixed text starts, or alone on the line above as `# plant: NAME (next line)` where the
+line would pass 120 columns. `locate` finds an edit's file by that marker in every Python file outside tests/, the
+file stored in the plant being a hint only, so code moved between files or folders keeps its plants as long as the
+comment moves with its line; the fixed text must occur once in the marker's file, starting on the line it marks,
+and every marker must mark an edit of its plant (`Misfit` otherwise, naming the plant, the marker and what to do:
+tests/test_planted_bugs.py checks each plant in the fast tier, and that no marker names an unknown plant). The
+planted text replaces the fixed text; a marker after it on the line stays. For each plant:
 
 1. the tree is copied and planted, and the matrix cases the plant targets (`Plant.targets`, over the
    covering set of tests/matrix.py as cached for the unplanted tree, cheapest first; refused cases too for a
@@ -30,6 +39,7 @@ plant is killed, 1 otherwise. Results: docs/testing.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -44,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+HERE = "tests/planted_bugs.py"  # where the plants live, for the messages
 OUTCOMES_VAR, MARKER_VAR = "DLSCALE_PLANT_OUTCOMES", "DLSCALE_PLANT_MARKER"
 FROZEN_VAR, KILL_MARGIN_VAR = "DLSCALE_MATRIX_FROZEN", "DLSCALE_KILL_MARGIN"  # read by tests/matrix.py, test_matrix.py
 KILL_MARGIN = 3.0  # a kill is a value off by at least 3x its bound (the curves, or a parameter's fingerprint)
@@ -64,7 +75,8 @@ def _plant_hit(value=None):  # appended by tests/planted_bugs.py: the planted co
 class Plant:
     mechanism: str
     what: str
-    edits: tuple[tuple[str, str, str], ...]  # (file, the fixed code's text, the defect's text)
+    # (file, the fixed code's text, the defect's text); the file is a hint: `locate` plants the file of the marker
+    edits: tuple[tuple[str, str, str], ...]
     targets: Callable  # Case -> bool: the matrix cases where the mechanism acts
     refused: bool = False  # the refused cases it targets too (a wrong acceptance)
     # (test, parameter id) outside the matrix, for code no matrix case can observe (an import from a Hugging Face
@@ -271,7 +283,8 @@ def copy_tree(dest: Path) -> None:
 
 
 def plant(tree: Path, edits: tuple[tuple[str, str, str], ...]) -> None:
-    """Apply the edits (each text must occur exactly once) and append `_plant_hit` to each edited file."""
+    """Apply the edits, as `locate` resolved them (each text must occur exactly once), and append `_plant_hit` to
+    each edited file."""
     for file, old, new in edits:
         path = tree / file
         text = path.read_text()
@@ -282,6 +295,150 @@ def plant(tree: Path, edits: tuple[tuple[str, str, str], ...]) -> None:
     for file in {file for file, _, _ in edits}:
         with open(tree / file, "a") as out:
             out.write(HIT)
+
+
+# ---- the markers: `# plant: NAME` on the line an edit's fixed text starts, so that moved code keeps its plants ----
+
+MARKER = re.compile(r"#\s*plant:\s*(?P<names>\w+(?:\s*,\s*\w+)*)\s*(?P<next>\(next line\))?\s*$")
+
+
+class Misfit(Exception):
+    """A plant whose marker or text no longer fits the code; the message names the plant and what to do."""
+
+
+@dataclass(frozen=True)
+class Marker:
+    file: str  # relative to the tree
+    line: int  # the comment's own line (1-based)
+    target: int  # the line it marks: its own, or for a comment alone on its line the next one
+    names: tuple[str, ...]
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" + (" (for the next line)" if self.target != self.line else "")
+
+
+def source_files(root: Path = ROOT) -> list[str]:
+    """The Python files a plant may edit: every one in the tree but tests/ (and hidden or private folders, such as
+    .git, .venv, __pycache__), relative to `root`."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        rel = Path(folder).relative_to(root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                         and not (rel == Path() and d == "tests") and not (Path(folder) / d / "pyvenv.cfg").exists())
+        found += [(rel / f).as_posix() for f in sorted(files) if f.endswith(".py")]
+    return found
+
+
+def marker_comments(root: Path = ROOT) -> list[tuple[str, int, str, Marker | None]]:
+    """(file, line, comment, its Marker or None where malformed) of every comment that mentions `plant:`."""
+    files = source_files(root)
+    return _marker_comments(root, tuple((f, (root / f).stat().st_mtime_ns, (root / f).stat().st_size) for f in files))
+
+
+@functools.lru_cache(maxsize=8)
+def _marker_comments(root: Path, stamps: tuple) -> list[tuple[str, int, str, Marker | None]]:
+    """marker_comments, read again only when a file changed (its mtime or size)."""
+    import io
+    import tokenize
+
+    found = []
+    for file, _, _ in stamps:
+        text = (root / file).read_text()
+        if "plant:" not in text:
+            continue
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type != tokenize.COMMENT or not re.search(r"#\s*plant:", tok.string):
+                continue
+            line, m = tok.start[0], MARKER.search(tok.string)
+            alone = tok.line.strip() == tok.string.strip()
+            names = tuple(n.strip() for n in m.group("names").split(",")) if m else ()
+            found.append((file, line, tok.string, m and Marker(file, line, line + alone, names)))
+    return found
+
+
+def markers(root: Path = ROOT) -> dict[str, list[Marker]]:
+    """Each plant name's markers in the source."""
+    found: dict[str, list[Marker]] = {}
+    for _, _, _, marker in marker_comments(root):
+        for name in marker.names if marker else ():
+            found.setdefault(name, []).append(marker)
+    return found
+
+
+def stale_markers(root: Path = ROOT) -> list[str]:
+    """A message for each `plant:` comment in the source that names no plant of PLANTS or is malformed."""
+    found = []
+    for file, line, comment, marker in marker_comments(root):
+        if marker is None:
+            found.append(f"{file}:{line}: `{comment.strip()}` is not a marker: write `# plant: NAME[, NAME]` at the "
+                         "end of the line, or `# plant: NAME (next line)` alone on the line above")
+        for name in marker.names if marker else ():
+            if name not in PLANTS:
+                found.append(f"{file}:{line}: the marker `# plant: {name}` names no plant of {HERE}: remove it, "
+                             "or rename it after the plant's new name")
+    return found
+
+
+def _start_line(text: str, old: str) -> int:
+    """The line where the (single) match of `old` in `text` starts: its first character that is not a newline."""
+    start = text.index(old) + len(old) - len(old.lstrip("\n"))
+    return text.count("\n", 0, start) + 1
+
+
+def _occurrences(root: Path, old: str) -> list[str]:
+    """file:line of each match of `old` in the source."""
+    found = []
+    for file in source_files(root):
+        text, at = (root / file).read_text(), -1
+        while (at := text.find(old, at + 1)) >= 0:
+            start = at + len(old) - len(old.lstrip("\n"))
+            found.append(f"{file}:{text.count(chr(10), 0, start) + 1}")
+    return found
+
+
+def locate(name: str, root: Path = ROOT) -> tuple[tuple[str, str, str], ...]:
+    """Plant `name`'s edits with the file each applies to, found by its marker `# plant: name` in the source (the
+    file stored in the plant is a hint, for the messages): each edit's fixed text occurs exactly once in the marker's
+    file, starting on the line the marker marks, and every marker of the plant marks one of its edits. Misfit
+    otherwise, naming the plant, the marker and what to do."""
+    tag, found = f"`# plant: {name}`", markers(root).get(name, [])
+    located, used = [], []
+    for hint, old, new in PLANTS[name].edits:
+        free = [m for m in found if m not in used]
+        fits = [m for m in free if (text := (root / m.file).read_text()).count(old) == 1
+                and _start_line(text, old) == m.target]
+        if not fits:
+            raise Misfit(_misfit(name, tag, root, hint, old, free))
+        used.append(fits[0])
+        located.append((fits[0].file, old, new))
+    if extra := [m for m in found if m not in used]:
+        raise Misfit(f"plant {name}: its marker {tag} on {', '.join(m.where() for m in extra)} marks none of the "
+                     f"plant's edits (marked on {', '.join(m.where() for m in used)}): remove the stale marker, or "
+                     f"add the edit it marks to the plant in {HERE}")
+    return tuple(located)
+
+
+def _misfit(name: str, tag: str, root: Path, hint: str, old: str, free: list[Marker]) -> str:
+    short = old.strip("\n").splitlines()[0].strip()
+    short = f"`{short[:70]}{'...' if len(short) > 70 else ''}`"
+    where = _occurrences(root, old)
+    at = ("it occurs nowhere in the source" if not where else f"it is on {where[0]}" if len(where) == 1 else
+          f"it occurs {len(where)} times: {', '.join(where)}")
+    if not free:
+        if not where:
+            return (f"plant {name}: no marker {tag} in the source and its fixed text {short} (last seen in {hint}) "
+                    "occurs nowhere: update the plant's text in tests/planted_bugs.py and mark the line it starts on")
+        return (f"plant {name}: no marker {tag} in the source (the fixed text {short} {at.removeprefix('it ')}): end "
+                f"the line the text starts on with `  # plant: {name}`, or where that line would pass 120 columns put "
+                f"`# plant: {name} (next line)` alone on the line above")
+    marker, more = free[0], "".join(f", {m.where()}" for m in free[1:])
+    head = f"plant {name}: its marker {tag} is on {marker.where()}{more}"
+    line = "that line" if marker.target == marker.line else f"the line it marks, {marker.file}:{marker.target}"
+    if (here := sum(w.startswith(f"{marker.file}:") for w in where)) > 1:
+        return (f"{head} but the fixed text {short} occurs {here} times in {marker.file}, not once ({at}): lengthen "
+                "the plant's text in tests/planted_bugs.py until it matches once")
+    todo = "move the marker with the line, or update" if where else "update"
+    return f"{head} but the fixed text {short} is not on {line} ({at}): {todo} the plant's text in {HERE}"
 
 
 def targeted(p: Plant) -> list[tuple[str, str]]:
@@ -368,9 +525,14 @@ class Harness:
         if not cases:
             verdict.status, verdict.case, verdict.why = "broken", "-", "no matrix case targets it"
             return verdict
+        try:
+            edits = locate(name)
+        except Misfit as misfit:
+            verdict.status, verdict.case, verdict.why = "broken", "-", str(misfit)
+            return verdict
         tree, marker = self.workdir / name, self.workdir / f"{name}.hit"
         copy_tree(tree)
-        plant(tree, p.edits)
+        plant(tree, edits)
         rows = run_cases(tree, cases, self.first, marker)
         verdict.cases_run = sum(r["kind"] in ("passed", "mismatch", "crash") or _thin(r) for r in rows)
         thin = [r for r in rows if _thin(r)]

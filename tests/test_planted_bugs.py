@@ -1,6 +1,7 @@
-"""The planted bugs (tests/planted_bugs.py) still fit the code: every edit's text occurs exactly once, each
-plant targets matrix cases, the mechanisms are distinct, and the pytest plugin tells a comparison from a crash.
-The plants themselves run in CI's plant tier (`python -m tests.planted_bugs --first` in .ci/run)."""
+"""The planted bugs (tests/planted_bugs.py) still fit the code: every edit's text occurs exactly once, on the line its
+marker `# plant: NAME` marks, wherever the code has moved; no marker names a plant that is gone; each plant targets
+matrix cases, the mechanisms are distinct, and the pytest plugin tells a comparison from a crash. The plants
+themselves run in CI's plant tier (`python -m tests.planted_bugs --first` in .ci/run)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,85 @@ import json
 
 import pytest
 
+# torch.testing.assert_close imports DTensor lazily: first imported inside the plugin test's nested run, pytester would
+# drop it from sys.modules afterwards, and its next import register torch's c10d_functional library twice
+import torch.distributed.tensor  # noqa: F401
+
 from tests.matrix import Mismatch
-from tests.planted_bugs import PLANTS, ROOT, targeted
+from tests.planted_bugs import PLANTS, ROOT, Misfit, Plant, locate, stale_markers, targeted
 
 
 @pytest.mark.parametrize("name", list(PLANTS))
 def test_the_plant_fits_the_code_once(name):
+    """Each edit's fixed text occurs once in the file of the plant's marker, starting on the line it marks."""
     plant = PLANTS[name]
-    for file, old, new in plant.edits:
-        assert (ROOT / file).read_text().count(old) == 1, (file, old)
+    try:
+        locate(name)
+    except Misfit as misfit:
+        pytest.fail(str(misfit), pytrace=False)
     assert any("_plant_hit(" in new for _, _, new in plant.edits)  # the marker that proves the path ran
     assert targeted(plant), "no matrix case targets the plant"
+
+
+def test_no_marker_names_an_unknown_plant():
+    """A `# plant:` comment whose plant was renamed or removed is stale: it would mislead the next reader."""
+    stale = stale_markers()
+    assert not stale, "\n".join(stale)
+
+
+def _tree(tmp_path, monkeypatch, files: dict[str, str], *edits: tuple[str, str, str]):
+    """A scratch tree of `files` and a plant `p` of `edits`, for locate and stale_markers."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setitem(PLANTS, "p", Plant("m", "w", edits, lambda c: True))
+    return tmp_path
+
+
+def _misfit(root) -> str:
+    with pytest.raises(Misfit) as err:
+        locate("p", root)
+    return str(err.value)
+
+
+def test_a_plant_follows_its_marker_to_another_file(tmp_path, monkeypatch):
+    """The file a plant names is a hint: the marker's file is the one planted; a marker alone on its line marks the
+    next one; one comment may mark several plants."""
+    edits = (("a.py", "y = 2", "y = 3"), ("a.py", "\nimport os\n", "\nimport sys\n"))
+    moved = '"""doc"""\n# plant: p (next line)\nimport os\n\n\ndef f():\n    y = 2  # plant: p, q\n    return y\n'
+    root = _tree(tmp_path, monkeypatch, {"a.py": "x = 1\n", "pkg/b.py": moved}, *edits)
+    assert locate("p", root) == (("pkg/b.py", "y = 2", "y = 3"), ("pkg/b.py", "\nimport os\n", "\nimport sys\n"))
+
+
+@pytest.mark.parametrize("files,expected", [
+    ({"a.py": "x = 1  # plant: p\ny = 2\n"},  # the marked line changed, the text is on the next one
+     "plant p: its marker `# plant: p` is on a.py:1 but the fixed text `y = 2` is not on that line (it is on "
+     "a.py:2): move the marker with the line, or update the plant's text in tests/planted_bugs.py"),
+    ({"a.py": "# plant: p (next line)\nx = 1\n", "b.py": "y = 2\n"},  # the line moved, the marker stayed
+     "plant p: its marker `# plant: p` is on a.py:1 (for the next line) but the fixed text `y = 2` is not on the "
+     "line it marks, a.py:2 (it is on b.py:1): move the marker"),
+    ({"a.py": "y = 3  # plant: p\n"},  # the code changed
+     "plant p: its marker `# plant: p` is on a.py:1 but the fixed text `y = 2` is not on that line (it occurs "
+     "nowhere in the source): update the plant's text in tests/planted_bugs.py"),
+    ({"a.py": "y = 2  # plant: p\ny = 2\n"},
+     "plant p: its marker `# plant: p` is on a.py:1 but the fixed text `y = 2` occurs 2 times in a.py, not once"),
+    ({"a.py": "y = 2\n"},
+     "plant p: no marker `# plant: p` in the source (the fixed text `y = 2` is on a.py:1): end the line"),
+    ({"a.py": "y = 2  # plant: p\n", "b.py": "z = 1  # plant: p\n"},
+     "plant p: its marker `# plant: p` on b.py:1 marks none of the plant's edits (marked on a.py:1): remove"),
+], ids=["line-changed", "line-moved", "text-changed", "text-twice", "no-marker", "duplicate-marker"])
+def test_a_misfit_names_the_plant_the_marker_and_what_to_do(files, expected, tmp_path, monkeypatch):
+    root = _tree(tmp_path, monkeypatch, files, ("a.py", "y = 2", "y = 3"))
+    assert _misfit(root).startswith(expected), _misfit(root)
+
+
+def test_a_stale_marker_is_named(tmp_path, monkeypatch):
+    root = _tree(tmp_path, monkeypatch, {"a.py": "y = 2  # plant: p, gone\nz = 1  # plant:\n",
+                                         "tests/t.py": "w = 1  # plant: elsewhere\n"}, ("a.py", "y = 2", "y = 3"))
+    assert locate("p", root) == (("a.py", "y = 2", "y = 3"),)
+    stale = stale_markers(root)
+    assert len(stale) == 2 and stale[0].startswith("a.py:1: the marker `# plant: gone` names no plant"), stale
+    assert stale[1].startswith("a.py:2: `# plant:` is not a marker"), stale
 
 
 def test_at_least_twelve_mechanisms():
@@ -73,7 +142,7 @@ def _judge(monkeypatch, tmp_path, planted: list[dict], unplanted: dict | None = 
     cases = [(harness.ACCEPTED_TEST, row["case"]) for row in planted] or [(harness.ACCEPTED_TEST, "a")]
     monkeypatch.setattr(harness, "targeted", lambda plant: cases)
     monkeypatch.setattr(harness, "copy_tree", lambda dest: dest.mkdir(parents=True, exist_ok=True))
-    monkeypatch.setattr(harness, "plant", lambda tree, edits: None)
+    monkeypatch.setattr(harness, "plant", lambda tree, edits: None)  # locate runs on the real tree
     runs = []
 
     def run_cases(tree, wanted, first, marker=None):

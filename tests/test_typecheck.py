@@ -62,10 +62,10 @@ def test_the_representatives_cover_every_typed_combination():
 
 @pytest.mark.parametrize("plant", sorted(CAUGHT))
 def test_the_types_catch_the_plant_alone(plant):
-    from tests.planted_bugs import PLANTS
+    from tests.planted_bugs import locate
 
     name, expected = CAUGHT[plant]
-    with typecheck.planted(PLANTS[plant].edits):
+    with typecheck.planted(locate(plant)):
         verdict = typecheck.check_case(_case(name))
     assert verdict.status == "type error" and expected in verdict.detail, verdict.line()
 

@@ -262,9 +262,10 @@ def run(cases, rank: int = 0, out=print) -> list[Verdict]:
 
 @contextlib.contextmanager
 def planted(edits):
-    """A plant of tests/planted_bugs.py in this process: its edits are applied by the harness's own `plant` to a copy
-    of the files they touch (each text must match exactly once), and the planted code of every function and method
-    is swapped into the live ones (`__code__`; names the plant imports are added to the module), restored on exit."""
+    """A plant of tests/planted_bugs.py in this process: its edits (as `planted_bugs.locate` finds them by their
+    markers) are applied by the harness's own `plant` to a copy of the files they touch (each text must match exactly
+    once), and the planted code of every function and method is swapped into the live ones (`__code__`; names the
+    plant imports are added to the module), restored on exit."""
     from tests import planted_bugs
 
     swaps, added = [], []
@@ -316,7 +317,7 @@ def plant_verdict(name: str, limit: int | None = None, baseline: dict | None = N
     names = [c for test, c in planted_bugs.targeted(p) if test == planted_bugs.ACCEPTED_TEST][:limit]
     cases = {c.name: c for c in covering_cases()}
     found = {"caught": [], "passed": [], "other": [], "targets": len(names)}
-    with planted(p.edits), tempfile.TemporaryDirectory() as tmp:
+    with planted(planted_bugs.locate(name)), tempfile.TemporaryDirectory() as tmp:
         marker = Path(tmp) / "hit"
         saved, os.environ[planted_bugs.MARKER_VAR] = os.environ.get(planted_bugs.MARKER_VAR), str(marker)
         try:

@@ -83,7 +83,7 @@ class ParallelConfig:
         order_names(self.order)
         require(self.cp_attention in CP_VARIANTS, f"unknown cp_attention {self.cp_attention!r}",
                 "parallel.cp_attention", "choose " + ", ".join(CP_VARIANTS))
-        groups_fit = 1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0
+        groups_fit = 1 < self.cp_a2a < self.cp and self.cp % self.cp_a2a == 0  # plant: hierarchical_accepts_one_group
         require(self.cp_attention != "hierarchical" or self.cp == 1 or groups_fit, "parallel.cp_attention=hierarchical"
                 f" needs groups of parallel.cp_a2a={self.cp_a2a} ranks dividing parallel.cp={self.cp} into two or more",
                 "parallel.cp_a2a",

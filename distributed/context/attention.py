@@ -46,6 +46,8 @@ from torch import nn
 
 from distributed.context.layout import ContextShards
 from distributed.context.ring import ring_attention
+
+# plant: cp_allgather_key_grads_unsummed (next line)
 from distributed.mappings import all_gather_region, heads_to_sequence, sequence_to_heads
 from networks.documents import Documents
 from utils.comm import AxisGroup
@@ -109,6 +111,7 @@ class ContextParallelAttention(nn.Module):
             return self._alltoall(q, k, v, documents)
         if self.variant == "hierarchical":
             return self._hierarchical(q, k, v, documents)
+        # plant: cp_allgather_key_grads_unsummed (next line)
         k_all = all_gather_region(k, shards.axis, 2, shards.sizes)  # (B, h, N, d) in rank order
         v_all = all_gather_region(v, shards.axis, 2, shards.sizes)
         mask = None
@@ -135,6 +138,7 @@ class ContextParallelAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask(), dropout_p=p,
                                                  enable_gqa=k.shape[1] != q.shape[1])
         else:
+            # plant: alltoall_drops_causal (next line)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
                                                  enable_gqa=k.shape[1] != q.shape[1])
         if order is not None:

@@ -70,6 +70,7 @@ class ContextShards:
             count = self.axis.size // a2a
             members = [list(range(g * a2a, (g + 1) * a2a)) for g in range(count)]
             sizes = [sum(self.sizes[r] for r in m) for m in members]
+            # plant: hierarchical_group_positions_reversed (next line)
             positions = [torch.cat([self.positions[r] for r in m]) for m in members] if self.balanced else None
             host = None if positions is None else [p.cpu() for p in positions]
             cache[key] = sizes, positions, position_bounds(host, sizes)

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import functools
 
+# plant: ring_scores_under_autocast (next line)
 import torch
 
 from distributed.collectives import ring_shift
@@ -143,6 +144,7 @@ def _document_parts(rank: int, source: int, chunk: int | None, positions: list[t
         full = documents.mask(positions[rank], positions[source])[:, 0]  # (B, nq, nk)
         spans = [(None, None, full)] if chunk is None else [
             (r, c, full[:, r * chunk:(r + 1) * chunk, c * chunk:(c + 1) * chunk]) for r in (0, 1) for c in (0, 1)]
+        # plant: document_block_unmasked (next line)
         documents.cache[key] = [(rows, keys, None if bool(m.all()) else m.repeat(1, group, 1)[:, None], False)
                                 for rows, keys, m in spans if bool(m.any())]
     return documents.cache[key]
@@ -198,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
         # The trainer calls attention inside torch.autocast, which would turn the upcast matmuls back into
         # bf16 ones (scores, row max, sums and LSE in bf16, and a backward recomputing P in float32 from an
         # LSE of bf16 scores): the blocks compute exactly as written, as the backward does (no autocast there)
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False):  # plant: ring_scores_under_autocast
             for step in range(cp):
                 if step < cp - 1:  # start the next block's transfer, then compute on this one
                     arriving = ring_shift(kv, axis, _shapes(k, v, sizes[(rank - step - 1) % cp]), KV_TAG)

@@ -64,6 +64,7 @@ class Pipeline:
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.model.criterion(output, target) / self.divisor
         self.losses.append(loss.detach())
+        # plant: pipeline_loss_unscaled (next line)
         return self.scale(loss)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, accum: int, scale) -> torch.Tensor:
@@ -75,7 +76,7 @@ class Pipeline:
         step's bubble with the next step; on the CPU `bubble` is step s's own.
         `scale`: the loss scaler's scale function."""
         self.losses.clear()
-        self.divisor, self.scale = accum * self.plan.microbatches, scale
+        self.divisor, self.scale = accum * self.plan.microbatches, scale  # plant: pipeline_loss_ignores_accumulation
         # The fp16 scaler starts its scale at its first `scale` call; ranks without the last stage never
         # scale a loss, but their gradients carry the last stage's scale and are unscaled with it.
         scale(torch.zeros((), device=self.grid.device))
@@ -131,7 +132,7 @@ class Pipeline:
             torch._foreach_div_(sum_grads(replicated, self.replicas), self.grid.batch.size)
         ends = self.grid.pipeline_ends
         if self.tied is not None and ends is not None and self.tied.grad is not None:
-            all_reduce_(self.tied.grad, ends)
+            all_reduce_(self.tied.grad, ends)  # plant: tied_embedding_grads_unsummed
 
     @property
     def duplicates(self) -> set[int]:

@@ -80,7 +80,7 @@ def row_runs(rule: Rule, r0: int, r1: int) -> list[Run]:
     first, first + step, ... (`Run`)."""
     runs: list[Run] = []
     if rule.kind == "same":
-        real = max(r0, min(r1, rule.real_rows))
+        real = max(r0, min(r1, rule.real_rows))  # plant: slice_import_last_row_as_padding
         runs += [(0, 1, real - r0, 0, r0)] if real > r0 else []
         runs += [(real - r0, 1, r1 - real, None, 0)] if r1 > real else []
     elif rule.kind == "gate_up":

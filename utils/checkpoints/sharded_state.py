@@ -115,6 +115,7 @@ class Box(torch.Tensor):
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         assert index.offset == self.offsets, f"{index.fqn}: chunk {index.offset} asked of the box at {self.offsets}"
+        # plant: box_hands_dcp_a_copy (next line)
         return self.local
 
 
@@ -162,6 +163,7 @@ def checkpoint_view(model: nn.Module, optimizer: torch.optim.Optimizer | None, g
         else:
             view.tensors[key] = Box(local, piece.full_shape, piece.offsets)
 
+    # plant: checkpoint_wrapper_names (next line)
     params = parameter_names(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
         add(f"model/{name}", tensor, params.get(name, tensor))

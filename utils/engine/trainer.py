@@ -146,7 +146,7 @@ class Trainer:
         micro = self.tc.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
-            sync = i == micro - 1  # reduce gradients over dp only in the last micro-batch's backward
+            sync = i == micro - 1  # dp reduces in the last micro-batch only  # plant: accumulation_syncs_first_micro
             with no_sync(self.model, skip=not sync, fsdp=not self.cfg.parallel.fsdp_reduce_every_microbatch):
                 with self.autocast():
                     loss = self.task.training_loss(self.model, self.raw_model.criterion, x, y, self.step) / micro

@@ -91,7 +91,7 @@ def crps(members: torch.Tensor, truth: torch.Tensor, weights: torch.Tensor) -> t
     x, y = members.double(), truth.double()
     skill = (x - y).abs().mean(dim=0)
     rank = torch.arange(1, num + 1, dtype=torch.float64, device=x.device).view(-1, *[1] * y.dim())
-    spread = ((2 * rank - num - 1) * x.sort(dim=0).values).sum(dim=0) / (num * (num - 1))
+    spread = ((2 * rank - num - 1) * x.sort(dim=0).values).sum(dim=0) / (num * (num - 1))  # plant: crps_not_fair
     return _weighted_mean(skill - spread, weights.double())
 
 
