@@ -1,7 +1,8 @@
 """A model family as one spec: what the framework needs of a model, declared once.
 
-A family is its schema, the task it trains with and a builder (`ModelSpec`), registered with one line
-(`utils.tasks.registry.register`); the model the builder returns answers the rest (`FamilyModel`):
+A family is its schema, the task it trains with and a builder (`ModelSpec`), declared in a family module
+(`FAMILY = ModelSpec(...)` and its `model=` PRESETS: utils/tasks/registry.py's contract, found through a
+`dlscale.families` entry point or DLSCALE_FAMILIES); the model the builder returns answers the rest (`FamilyModel`):
 
     built where        the builder runs under torch.device("meta") in the real build (shapes, ties, no
                        memory); buffers are computed by the modules that hold them (`init_buffers(device)`)

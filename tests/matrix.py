@@ -37,6 +37,7 @@ from pathlib import Path
 
 from tests.helpers import NARROW, TINY_GPT
 from utils import ConfigError
+from utils.tasks.registry import BUILT_IN
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 MAX_WORLD = 4
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "tests" / "data" / "matrix_cases.json"  # the covering set, with the fingerprint it was made from
 SOURCES = ("config", "distributed", "networks", "utils", "tests/matrix.py", "tests/helpers.py")
 FACTORS = {
-    "model": ("vit", "gpt", "llama"),
+    "model": BUILT_IN,  # the registry's built-in families (vit, gpt, llama), each run with its MODEL_ARGS
     "tp": (1, 2),
     "cp": (1, 2, 4),
     "pp": (1, 2, 4),

@@ -16,8 +16,9 @@ Named things: a repo path (a file or folder under a top-level folder of the proj
 image), a config key (`group=option` against config/<group>/, `section.key` against the keys of each model and
 data preset composed), a python module (`python -m x.y`, and a dotted name of the project
 `utils.cli.config.load_config`: the module's file and the name defined at its top), a test named as
-`tests/test_x.py::test_name`. Hydra's own keys (`hydra.*`, `hydra/launcher=`) are not checked. Both tests
-print their counts on the terminal.
+`tests/test_x.py::test_name`. A family module the docs name in `DLSCALE_FAMILIES=...` is added as the variable
+adds it: its command composes, its presets are choices. Hydra's own keys (`hydra.*`, `hydra/launcher=`) are not
+checked. Both tests print their counts on the terminal.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ TEST_NAME = r"((?:tests|utils|distributed|networks)/[\w/]+\.py)::(\w+)"  # tests
 FILE_NAME = (".json", ".yaml", ".pt", ".py", ".md", ".npy", ".h5", ".txt")  # `model.safetensors.index.json`
 BAD_EXAMPLES = {("model", "nope")}  # presets the docs name as bad input (docs/configuration.md's sweep errors)
 SYNOPSIS = re.compile(r"\[\w+=\.\.\.\]|\.\.\.$|=a,b")  # a usage line, not a command: `[model=...]`, `key=a,b ...`
+# A family the docs add from outside the tree (`DLSCALE_FAMILIES=tests.toy_family python train.py model=toy_tiny`):
+# added in this process as the variable adds it, so its command composes and its presets are choices too
+FAMILIES_VAR = re.compile(r"(?<![\w$])DLSCALE_FAMILIES=([A-Za-z_][\w.]*(?:,[A-Za-z_][\w.]*)*)")
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,15 @@ def how(cmd: Command) -> tuple[str, str]:
     return "unclassified", ""
 
 
+def add_doc_families(text: str) -> set[str]:
+    """Add the family modules `text` names in DLSCALE_FAMILIES=...; the `model=` presets they bring."""
+    from utils.tasks.registry import MODEL_PRESETS, add_modules
+
+    for names in FAMILIES_VAR.findall(text):
+        add_modules(names.split(","))
+    return set(MODEL_PRESETS) if FAMILIES_VAR.search(text) else set()
+
+
 def _module_of(argv: list[str]) -> str | None:
     return argv[argv.index("-m") + 1] if "-m" in argv and argv[0] in ("python", "torchrun", "srun") else None
 
@@ -195,6 +208,7 @@ def test_every_command_is_run_or_listed(capsys):
     failures = []
     for cmd, (kind, target) in kinds.items():
         if kind == "config":
+            add_doc_families(cmd.text)
             args = overrides_of(cmd.argv)
             points = sweep_points(args) if "-m" in cmd.argv else [args]
             for point in points:
@@ -328,6 +342,7 @@ def _keys(text: str) -> tuple[set[str], set[tuple[str, str]]]:
 def test_every_path_key_and_module_named_exists(config_keys, capsys):
     """Paths, config keys and modules named anywhere in README.md and docs/ exist."""
     missing, counts = [], {"paths": set(), "keys": set(), "choices": set(), "modules": set()}
+    family_presets = add_doc_families("\n".join(text for _, text in _doc_texts()))
     for doc, text in _doc_texts():
         where = doc.relative_to(ROOT).as_posix()
         for path in _paths(doc, text):
@@ -341,7 +356,8 @@ def test_every_path_key_and_module_named_exists(config_keys, capsys):
                 missing.append(f"{where}: config key {key}")
         for group, option in choices:
             counts["choices"].add((group, option))
-            if not (ROOT / "config" / group / f"{option}.yaml").is_file():
+            if not (ROOT / "config" / group / f"{option}.yaml").is_file() and not (
+                    group == "model" and option in family_presets):
                 missing.append(f"{where}: preset {group}={option}")
         for file, name in re.findall(TEST_NAME, text):
             counts["modules"].add(f"{file}::{name}")

@@ -70,9 +70,11 @@ def tolerance(model: str, precision: str) -> float:
 ACCEPTED, REFUSED = covering_set()
 
 
+_ROOT_FIXTURES = {"vit": "era5_root", "gpt": "corpus_root", "llama": "corpus_root"}  # each matrix model's data
+
+
 def _roots(request) -> dict[str, str]:
-    corpus = str(request.getfixturevalue("corpus_root"))
-    return {"vit": str(request.getfixturevalue("era5_root")), "gpt": corpus, "llama": corpus}
+    return {model: str(request.getfixturevalue(fixture)) for model, fixture in _ROOT_FIXTURES.items()}
 
 
 def case_argv(run_dir: Path, model: str, root: str, overrides: list[str]) -> list[str]:
@@ -253,17 +255,19 @@ def test_refused_combination_exits_2_with_one_line(case, why, tmp_path, request)
 def test_the_factors_hold_every_value_the_config_accepts():
     """A value the schema accepts and FACTORS lacks would be a combination never tested: the schedules, the cp
     variants, the precisions (tf32 is fp32 on a CPU: torch's TF32 switches act on CUDA matmuls only) and the
-    model families (the registry's, less the tests' toy family: tests/test_toy_family.py)."""
+    model families (the registry's built-in ones, each with its settings; a family found by DLSCALE_FAMILIES or an
+    entry point, as the tests' toy family, is not the tree's: tests/test_toy_family.py runs it)."""
     from distributed.pipeline.stage_plan import SCHEDULES
     from tests.matrix import FACTORS
     from utils.schema import CP_VARIANTS
     from utils.schema import PRECISION_MODES as MODES
-    from utils.tasks.registry import MODELS
+    from utils.tasks.registry import BUILT_IN, MODELS, ORIGINS
 
     assert set(FACTORS["schedule"]) == set(SCHEDULES)
     assert set(FACTORS["cp_attention"]) == set(CP_VARIANTS)
     assert set(FACTORS["precision"]) == set(MODES) - {"tf32"}
-    assert set(FACTORS["model"]) == set(MODELS) - {"toy"}
+    built_in = {arch for arch in MODELS if ORIGINS[f"model.arch {arch!r}"][0] == "the built-in families"}
+    assert set(FACTORS["model"]) == set(BUILT_IN) == built_in == set(MODEL_ARGS) == set(_ROOT_FIXTURES)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
-"""A model family from its own folder: tests/toy_family registers a decoder of parallel blocks and its preset
-with one line, and it trains under tp2, cp2 (ring and all-to-all), pp2 and FSDP like the built-in families:
-every layout follows its one-process curve (fp32, relative 1e-4), with no edit outside that folder.
+"""A model family from its own folder: tests/toy_family declares a decoder of parallel blocks and its preset
+(the family-module contract of utils/tasks/registry.py), the registry adds it (`add_modules`, what
+DLSCALE_FAMILIES does), and it trains under tp2, cp2 (ring and all-to-all), pp2 and FSDP like the built-in
+families: every layout follows its one-process curve (fp32, relative 1e-4), with no edit outside that folder.
+tests/test_family_discovery.py finds it through DLSCALE_FAMILIES and an entry point.
 
 The registry's contract is also refused where a family breaks it: an attention core that is not plain
 softmax attention under cp (it would be replaced, not split), and a task loss the pipeline would not compute.
@@ -20,10 +22,18 @@ LAYOUTS = {"tp2": ["parallel.tp=2"], "cp2": ["parallel.cp=2"], "cp2_alltoall": [
            "tp2_fsdp2": ["parallel.tp=2", "parallel.dp_mode=fsdp"]}
 
 
+def with_toy() -> None:
+    """The tests-only family added in this process, as DLSCALE_FAMILIES=tests.toy_family adds it."""
+    from utils.tasks.registry import add_modules
+
+    add_modules(["tests.toy_family"])
+
+
 def _entry_with_toy(rank: int, world: int, argv: list[str]) -> int:
-    """train.py on a pooled rank, with the tests-only family registered (as its users' entry would import it)."""
-    import tests.toy_family  # noqa: F401  (registers the family)
+    """train.py on a pooled rank, with the tests-only family added (DLSCALE_FAMILIES would, in a fresh process)."""
     from tests.rank_pool import _entry
+
+    with_toy()
 
     return _entry(rank, world, argv)
 
@@ -54,11 +64,11 @@ def test_the_toy_family_trains_under_every_axis(layout, toy_reference, corpus_ro
 def test_a_family_built_on_meta_keeps_the_contract(corpus_root):
     import torch
 
-    import tests.toy_family  # noqa: F401
     from networks.spec import check_family_model
     from utils.cli.config import load_config
     from utils.tasks import build_task
 
+    with_toy()
     cfg, _, _ = load_config([*TOY, f"data.root={corpus_root}"])
     with torch.device("meta"):
         assert check_family_model(build_task(cfg).build_model()) == []
@@ -67,7 +77,6 @@ def test_a_family_built_on_meta_keeps_the_contract(corpus_root):
 def _sliding_core_under_cp(rank: int, world: int, argv: list[str]) -> None:
     import torch
 
-    import tests.toy_family  # noqa: F401
     from distributed.context.parallelize import parallelize_context
     from networks.blocks import ScaledDotProductAttention
     from utils import ConfigError
@@ -78,6 +87,7 @@ def _sliding_core_under_cp(rank: int, world: int, argv: list[str]) -> None:
     class SlidingWindow(ScaledDotProductAttention):  # another core (a subclass): not one cp knows how to split
         pass
 
+    with_toy()
     cfg, _, _ = load_config(argv)
     grid = init_grid(cfg.parallel)
     with torch.device("meta"):
@@ -96,11 +106,11 @@ def test_cp_refuses_an_attention_core_it_would_replace(corpus_root, tmp_path):
 
 def test_pp_refuses_a_loss_its_last_stage_would_not_compute(corpus_root, monkeypatch):
     """A task whose training loss is not criterion(model(x), y) (an auxiliary term, several calls): pp exits 2."""
-    import tests.toy_family  # noqa: F401
     from utils import ConfigError
     from utils.cli.config import load_config
     from utils.tasks.language import LanguageTask
 
+    with_toy()
     monkeypatch.setattr(LanguageTask, "loss_is_criterion", staticmethod(lambda cfg: False))
     with pytest.raises(ConfigError, match=r"toy decoder task's training loss .* not criterion\(model\(x\), y\)"):
         load_config([*TOY, f"data.root={corpus_root}", "parallel.pp=2"])

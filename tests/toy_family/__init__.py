@@ -1,12 +1,16 @@
-"""The tests-only family's one registry line and its preset (`model=toy_tiny`), from its own folder."""
-
-from hydra.core.config_store import ConfigStore
+"""The tests-only family as a family module (utils/tasks/registry.py's contract): its spec and its preset
+(`model=toy_tiny`), read by the registry, not registered on import. `DLSCALE_FAMILIES=tests.toy_family python
+train.py model=toy_tiny data=wikitext_sample` trains it; tests add it in their process with
+`utils.tasks.registry.add_modules(["tests.toy_family"])`."""
 
 from networks.spec import ModelSpec
 from tests.toy_family.model import ToyConfig, ToyLM
 from utils.tasks.language import LanguageTask
-from utils.tasks.registry import register
 
-register(ModelSpec("toy", "toy decoder", ToyConfig, "model=toy_tiny", LanguageTask,
-                   lambda cfg, task: ToyLM(cfg, task.vocab_size)))
-ConfigStore.instance().store(group="model", name="toy_tiny", node=ToyConfig)
+
+def _build(cfg: ToyConfig, task: LanguageTask) -> ToyLM:
+    return ToyLM(cfg, task.vocab_size)
+
+
+FAMILY = ModelSpec("toy", "toy decoder", ToyConfig, "model=toy_tiny", LanguageTask, _build)
+PRESETS = {"toy_tiny": ToyConfig}

@@ -1,7 +1,8 @@
 """A tests-only model family: a decoder whose blocks run attention and the MLP side by side from one norm,
 x + attn(norm(x)) + mlp(norm(x)) (GPT-J, PaLM), with an untied head. It exists to show that a family is its
-own folder plus one registry line (tests/toy_family/__init__.py): nothing outside this folder names it, and
-it trains under tp, cp and pp like the built-in families (tests/test_toy_family.py)."""
+own folder, a family module (tests/toy_family/__init__.py: FAMILY and PRESETS) found by DLSCALE_FAMILIES or an
+entry point: nothing outside this folder names it, and it trains under tp, cp and pp like the built-in families
+(tests/test_toy_family.py, tests/test_family_discovery.py)."""
 
 from __future__ import annotations
 

@@ -246,14 +246,14 @@ def load_run(checkpoint: Path, data_kind: str, data_overrides: list[str] = ()):
     """(family, model config, data config) of the run a step folder belongs to (its run directory's
     config.yaml, through the family registry), for tools that read a checkpoint in one process. The run
     must train on `data_kind`; `data_overrides` ('data.KEY=VALUE') change where the data is read from."""
-    from utils.tasks import MODELS
+    from utils.tasks.registry import families
 
     config = Path(checkpoint).parent.parent / "config.yaml"
     require(config.is_file(), f"{checkpoint} is not a step folder of a run directory (no {config})", "CHECKPOINT",
             "give run.dir/checkpoints/step_NNNNNNN of a run train.py wrote")
     raw = OmegaConf.load(config)
-    family = MODELS.get(raw.model.arch)
-    fits = [f.name for f in MODELS.values() if f.task.DATA_KIND == data_kind]
+    family = families().get(raw.model.arch)  # a discovered family's run too (DLSCALE_FAMILIES, entry points)
+    fits = [f.name for f in families().values() if f.task.DATA_KIND == data_kind]
     require(family is not None and family.task.DATA_KIND == data_kind, f"{checkpoint} is a checkpoint of the "
             f"{raw.model.arch} model, not of a {' or '.join(fits)} model", "CHECKPOINT",
             f"give a checkpoint of a {' or '.join(fits)} run")

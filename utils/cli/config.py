@@ -24,7 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from utils import ConfigError
 from utils.schema import Config, OptimConfig, ParallelConfig, PrecisionConfig
-from utils.tasks import MODELS, check_pairing
+from utils.tasks import check_pairing
+from utils.tasks.registry import ENV, GROUP, MODEL_PRESETS, ORIGINS, families
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 GROUPS = ("model", "data", "precision", "parallel", "optim", "experiment")
@@ -42,8 +43,10 @@ def _store(group: str | None, name: str, node) -> None:
 
 
 def register_schemas() -> None:
+    """The schemas, and the families' `model=` presets, in Hydra's ConfigStore; the families found first (the
+    `dlscale.families` entry points and DLSCALE_FAMILIES: utils/tasks/registry.py `discover`)."""
     _store(None, "config_schema", Config)
-    for spec in MODELS.values():  # config/model/*.yaml and config/data/*.yaml start from these
+    for spec in families().values():  # config/model/*.yaml and config/data/*.yaml start from these
         _store("model", f"{spec.arch}_schema", spec.schema)
         for name, schema in spec.task.DATA_SCHEMAS.items():  # the task's data sources, config/task/ its settings
             _store("data", f"{name}_schema", schema)
@@ -51,6 +54,13 @@ def register_schemas() -> None:
     _store("precision", "precision_schema", PrecisionConfig)
     _store("parallel", "parallel_schema", ParallelConfig)
     _store("optim", "optim_schema", OptimConfig)
+    files = presets("model") if MODEL_PRESETS else []
+    for name, node in MODEL_PRESETS.items():
+        if name in files:
+            family, setting = ORIGINS[f"preset model={name}"]
+            raise ConfigError(f"preset model={name} of {family} is config/model/{name}.yaml already", setting,
+                              "give the preset another name in PRESETS")
+        _store("model", name, node)
 
 
 def presets(group: str) -> list[str]:
@@ -75,8 +85,12 @@ def _translate(err: Exception, argv: list[str]) -> ConfigError:
         group = next((g for g in GROUPS if f"'{g}/" in str(err)), None)
         if group:
             choice = setting.split("=", 1)[-1]
-            return ConfigError(f"unknown {group} preset '{choice}'", setting,
-                               f"choose one of {', '.join(presets(group))}")
+            if group != "model":
+                return ConfigError(f"unknown {group} preset '{choice}'", setting,
+                                   f"choose one of {', '.join(presets(group))}")
+            return ConfigError(f"unknown {group} preset '{choice}'", setting, f"choose one of "
+                               f"{', '.join(sorted([*presets(group), *MODEL_PRESETS]))}; a family out of this "
+                               f"tree brings its own: {ENV}=<module> or a {GROUP} entry point (docs/architecture.md)")
         options = re.findall(r"^\t(\S+)$", str(err).split("Config search path")[0], re.M)  # Hydra's groups
         launchers = " (the submitit launchers come with `pip install .[slurm]`)" if "hydra/launcher" in message else ""
         return ConfigError(message, setting, f"choose one of {', '.join(options)}{launchers}" if options

@@ -209,7 +209,10 @@ def main(argv: list[str]) -> int:
             run_root = check_points(args.overrides, multirun)
         except ConfigError as err:
             exit_bad_input(err)
-    register_schemas()  # before Hydra composes: config.yaml's defaults name the schemas
+    try:
+        register_schemas()  # before Hydra composes: config.yaml's defaults name the schemas; the families found
+    except ConfigError as err:
+        exit_bad_input(err)
     # Submitit's job processes import this module (to unpickle `task`) from wherever they start.
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths if str(ROOT) in paths else [str(ROOT), *paths])
