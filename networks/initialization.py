@@ -4,8 +4,9 @@ A model declares how each parameter starts (`init_rules()`: single-process name 
 parameter are drawn in fixed blocks of rows of its FULL tensor, block b from its own generator seeded by
 (seed, the parameter's key, b), so any piece of the tensor is computed by drawing only the blocks its rows
 overlap: a tensor-parallel, FSDP or pipeline rank computes exactly its shard without the full model ever
-existing, and the full weights are the same under every layout (the layout invariance of DESIGN.md). A
-piece that splits columns draws whole rows and keeps its columns: the bound is one block, not one tensor.
+existing, and the full weights are the same under every layout (the layout invariance of the README's
+"Parallel layouts"). A piece that splits columns draws whole rows and keeps its columns: the bound is one
+block, not one tensor.
 
     full tensor (R rows)      block 0 rows [0, B)  block 1 [B, 2B) ...   B = max(1, BLOCK_ELEMENTS // row size)
     a rank's piece            rows [r0, r1) x columns [c0, c1) x ...: draws blocks r0 // B .. (r1 - 1) // B

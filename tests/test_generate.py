@@ -109,7 +109,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     folder, prompt = str(weather / "checkpoints" / "step_0000001"), ["--prompt", "the"]
     for args, needle in (([str(tmp_path / "missing"), *prompt], "does not exist"),
-                         ([folder, *prompt], "not of a GPT or Llama model"),
+                         ([folder, *prompt], "not of a GPT or Llama"),
                          ([folder, *prompt, "--top-p", "0"], "--top-p"),
                          ([folder, *prompt, "--top-p", "1.5"], "--top-p"),
                          ([folder, *prompt, "--temperature", "-1"], "--temperature"),

@@ -120,7 +120,10 @@ class Newcomer:
 
 
 def sweep(user: Newcomer, line: str) -> None:
-    """The sweep as a user runs it: one process, its local tp2 ranks forked from it after the single points."""
+    """The sweep as a user runs it: one process, its local tp2 ranks forked from it after a single point, with
+    data workers (the single point starts the forkserver in the sweep's process; the tp2 ranks, forked from it,
+    start servers of their own: their waiting for the parent's failed with ChildProcessError,
+    utils/data/batching.py)."""
     argv = shlex.split(line)[2:]
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, *TINY, "trainer.num_workers=1",
                            f"data.root={user.era5_root}"], cwd=user.cwd, capture_output=True, text=True,

@@ -100,21 +100,6 @@ def test_basic_sweep_runs_each_point_as_its_single_run(tmp_path, era5_root):
         assert not (run_dir / ".hydra").exists()
 
 
-def test_a_sweep_runs_a_local_layout_after_a_single_point(tmp_path, era5_root):
-    """The README's sweep in its order (`-m ... parallel=single,tp2`) with data workers: the single point starts the
-    forkserver in the sweep's process, and the tp2 point's ranks, forked from it, start servers of their own
-    (their waiting for the parent's failed with ChildProcessError: utils/data/batching.py)."""
-    runs = tmp_path / "runs"
-    proc = train(tmp_path / "cwd", "-m", "parallel=single,tp2", f"data.root={era5_root}", *TINY,
-                 "trainer.num_workers=1", f"run.root={runs}")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    trained = sorted(runs.iterdir())
-    assert len(trained) == 2, trained
-    for run_dir in trained:
-        check_trained(run_dir)
-    assert sorted(read_layout(d)["sizes"]["tp"] for d in trained) == [1, 2]
-
-
 def test_submitit_local_sweep_into_a_sweep_dir(tmp_path, era5_root):
     """hydra.sweep.dir=DIR: each point's run.dir is Hydra's job folder DIR/<job number>, the launcher's files
     stay in DIR/.submitit; the tp2 point's job starts its two local ranks as `train.py parallel=tp2` does."""
