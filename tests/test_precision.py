@@ -121,28 +121,3 @@ def test_slow_or_idle_precision_is_announced_in_one_line(monkeypatch):
     assert "use precision=fp32" in precision_notice("bf16", cpu)
     assert "bf16" not in precision_notice("fp16", cpu).split("use ")[-1]  # not advised where it is slow too
     assert all("\n" not in precision_notice(m, cpu) for m in ("fp16", "tf32", "bf16"))
-
-
-def test_a_long_first_step_says_so_within_seconds():
-    import logging
-    import time
-
-    from utils.engine.logger import Progress
-
-    class Lines(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
-
-    log, lines = logging.getLogger("first_step_test"), Lines()
-    log.addHandler(lines)
-    log.setLevel(logging.INFO)
-    progress = Progress(log, max_steps=10, log_every=1, is_main=True)
-    progress.first_step_notice(1, after_s=0.05)
-    quick = progress.first_step_notice(2, after_s=0.05)
-    quick.cancel()  # a step that ended in time says nothing
-    time.sleep(0.3)
-    assert [line[:33] for line in lines.lines] == ["step 1 still running after 0 s (t"]

@@ -1,6 +1,7 @@
 """The progress line: the rollout length K it shows and an ETA that follows the curriculum's cost."""
 
 import logging
+import time
 
 from utils.engine import logger as logger_module
 from utils.engine.logger import Progress
@@ -50,3 +51,15 @@ def test_one_step_tasks_show_no_rollout_length(monkeypatch):
     lines = run(monkeypatch, 5, lambda step: 1)
     assert not any("K=" in line for line in lines)
     assert [eta(line) for line in lines] == ["?", "3s", "2s", "1s", "0s"]
+
+
+def test_a_long_first_step_says_so_within_seconds():
+    log, lines = logging.getLogger("first_step_test"), Lines()
+    log.handlers, log.propagate = [lines], False
+    log.setLevel(logging.INFO)
+    progress = Progress(log, max_steps=10, log_every=1, is_main=True)
+    progress.first_step_notice(1, after_s=0.05)
+    quick = progress.first_step_notice(2, after_s=0.05)
+    quick.cancel()  # a step that ended in time says nothing
+    time.sleep(0.3)
+    assert [line[:33] for line in lines.lines] == ["step 1 still running after 0 s (t"]
