@@ -29,6 +29,26 @@ def exit_bad_input(err: ConfigError) -> None:
     sys.exit(EXIT_BAD_INPUT)
 
 
+def tool_main(doc: str, argv: list[str] | None, run, cleanup=None) -> int:
+    """A command-line tool's `main`: `-h`/`--help` prints its docstring `doc`; else `run(argv)` (argv: sys.argv's
+    when None), its text (when not None) printed; a ConfigError is the one-line error and exit 2; `cleanup()`
+    (e.g. the grid's teardown) runs whatever happens. Returns 0."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc.strip())
+        return 0
+    try:
+        text = run(argv)
+    except ConfigError as err:
+        exit_bad_input(err)
+    finally:
+        if cleanup is not None:
+            cleanup()
+    if text is not None:
+        print(text, flush=True)
+    return 0
+
+
 def require(ok: bool, what: str, setting: str, fix: str) -> None:
     """Raise ConfigError unless `ok`."""
     if not ok:

@@ -21,7 +21,7 @@ import torch
 
 from distributed.collectives import all_gather, all_reduce, barrier, own_chunk, reduce_scatter, split_sizes
 from distributed.device import synchronize
-from utils import ConfigError, exit_bad_input, require
+from utils import ConfigError, require, tool_main
 from utils.comm import destroy_grid, init_grid
 from utils.engine.flops import device_name
 from utils.launch_env import launch_env
@@ -95,19 +95,7 @@ def run(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    try:
-        text = run(argv)
-    except ConfigError as err:
-        exit_bad_input(err)
-    finally:
-        destroy_grid()
-    if text:
-        print(text, flush=True)
-    return 0
+    return tool_main(__doc__, argv, lambda args: run(args) or None, destroy_grid)
 
 
 if __name__ == "__main__":

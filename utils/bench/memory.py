@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from utils import ConfigError, exit_bad_input, require
+from utils import ConfigError, require, tool_main
 
 COMMON = ["trainer.max_steps=4", "trainer.stop_at_step=3", "trainer.ckpt_every=3", "trainer.val_every=0",
           "trainer.val_at_start=false",
@@ -132,18 +132,14 @@ def measure(overrides: list[str], layouts: dict[str, list[str]], options: dict, 
     return table(rows, parameters(overrides), overhead, worlds, gathered)
 
 
+def report(argv: list[str]) -> str:
+    overrides, layouts, options = parse(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        return measure(overrides, layouts, options, Path(options["out"] or tmp))
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    try:
-        overrides, layouts, options = parse(argv)
-        with tempfile.TemporaryDirectory() as tmp:
-            print(measure(overrides, layouts, options, Path(options["out"] or tmp)), flush=True)
-    except ConfigError as err:
-        exit_bad_input(err)
-    return 0
+    return tool_main(__doc__, argv, report)
 
 
 if __name__ == "__main__":

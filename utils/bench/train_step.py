@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from distributed.device import synchronize
-from utils import ConfigError, exit_bad_input, require
+from utils import require, tool_main
 from utils.bench.versus_seed import compare, table
 from utils.cli.config import load_config
 from utils.comm import Axis, destroy_grid, init_grid
@@ -228,16 +228,4 @@ def run(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    try:
-        text = run(argv)
-    except ConfigError as err:
-        exit_bad_input(err)
-    finally:
-        destroy_grid()
-    if text:
-        print(text, flush=True)
-    return 0
+    return tool_main(__doc__, argv, lambda args: run(args) or None, destroy_grid)

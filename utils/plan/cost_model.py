@@ -77,12 +77,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
-from utils import ConfigError, exit_bad_input
+from utils import ConfigError, tool_main
 from utils.plan.fsdp import extend_units, gathered_peak
 from utils.plan.options import Hardware, Request, parse_args
 from utils.plan.probe import LayoutConfigs, extend, probe_depths, probe_stride
@@ -333,12 +332,4 @@ def run(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    try:
-        print(run(argv), flush=True)
-    except ConfigError as err:
-        exit_bad_input(err)
-    return 0
+    return tool_main(__doc__, argv, run)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from utils import ConfigError, exit_bad_input, require
+from utils import ConfigError, require, tool_main
 
 
 def parse(argv: list[str]) -> tuple[list[str], dict]:
@@ -88,24 +88,20 @@ def play(overrides: list[str], world: int, rank: int, vocab: int | None, steps: 
             "steps_host_peak_gib": round(step_gib, 2), "vocab": vocab, "vocab_from": vocab_from}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    try:
-        overrides, options = parse(argv)
-        figures = play(overrides, options["world"], options["rank"], options["vocab"], options["steps"])
-    except ConfigError as err:
-        exit_bad_input(err)
+def report(argv: list[str]) -> str:
+    """The command's output: the figures of `play` as a line, or as JSON (--json)."""
+    overrides, options = parse(argv)
+    figures = play(overrides, options["world"], options["rank"], options["vocab"], options["steps"])
     if options["json"]:
-        print(json.dumps(figures))
-    else:
-        print(f"{figures['layout']} rank {figures['rank']} of {figures['world']}: {figures['held']}; built in "
-              f"{figures['build_s']} s (peak host memory {figures['build_host_peak_gib']} GiB), "
-              f"{figures['steps']} step(s) {figures['steps_s']} s later (peak {figures['steps_host_peak_gib']} GiB)"
-              + (f"; vocabulary {figures['vocab']} ({figures['vocab_from']})" if figures["vocab"] else ""))
-    return 0
+        return json.dumps(figures)
+    return (f"{figures['layout']} rank {figures['rank']} of {figures['world']}: {figures['held']}; built in "
+            f"{figures['build_s']} s (peak host memory {figures['build_host_peak_gib']} GiB), "
+            f"{figures['steps']} step(s) {figures['steps_s']} s later (peak {figures['steps_host_peak_gib']} GiB)"
+            + (f"; vocabulary {figures['vocab']} ({figures['vocab_from']})" if figures["vocab"] else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return tool_main(__doc__, argv, report)
 
 
 if __name__ == "__main__":
