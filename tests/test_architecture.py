@@ -189,8 +189,8 @@ LAYERS = (
     ("workloads", ("utils.tasks", "utils.checkpoints")),
     ("engine", ("utils.engine",)),
     ("command line", ("utils.cli",)),
-    # utils.comm.__main__: `python -m utils.comm`; utils.checkpoints.export: export's former name
-    ("tools", ("utils.comm.__main__", "utils.checkpoints.export", "utils.plan", "utils.bench", "utils.doctor",
+    # utils.checkpoints.export: export's former name
+    ("tools", ("utils.checkpoints.export", "utils.plan", "utils.bench", "utils.doctor",
                "utils.compare", "utils.forecast", "utils.export", "utils.generate", "utils.evaluate")),
     ("scripts", ("train", "train_mp")),
 )

@@ -32,23 +32,28 @@ def test_train_collects_again_after_its_imports_frozen(paused):
     assert _python(f"{pause}{launch}{STATE}") == want
 
 
-def _statements(path: Path) -> list[str]:
-    """The module's top-level statements: 'call NAME' for a call of a name, 'import MODULE' for an import."""
-    out = []
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
-            out.append(f"call {node.value.func.id}")
-        elif isinstance(node, ast.ImportFrom) and node.module != "utils.startup":
-            out.append(f"import {node.module}")
-    return out
+def _tool_module(path: Path) -> str | None:
+    """The module a tool's __main__.py hands to `run_tool` (its one top-level call), or None."""
+    calls = [node.value for node in ast.parse(path.read_text()).body
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)]
+    if len(calls) != 1 or getattr(calls[0].func, "id", None) != "run_tool":
+        return None
+    return calls[0].args[0].value
 
 
 def test_every_tool_pauses_before_its_imports_and_resumes_after():
-    """Each `python -m utils.<tool>` (utils/*/__main__.py): pause_collector(), its imports, imports_done(), then
-    the tool."""
+    """Each `python -m utils.<tool>` (utils/*/__main__.py) is one `run_tool(<module>)`, which pauses the collector,
+    imports the module, freezes what the imports made and collects again, then runs the module's main."""
     tools = sorted(Path(ROOT, "utils").glob("*/__main__.py"))
     assert len(tools) >= 9
     for path in tools:
-        steps = _statements(path)
-        assert steps[0] == "call pause_collector" and steps[1].startswith("import utils."), (path, steps)
-        assert steps[2] == "call imports_done", (path, steps)
+        module = _tool_module(path)
+        assert module is not None and (ROOT / (module.replace(".", "/") + ".py")).is_file(), path
+    probe = ("import gc, sys, types\n"
+             "sys.modules['probe'] = types.SimpleNamespace(main=lambda: print(gc.isenabled(), gc.get_freeze_count() > 0"
+             ", sys.modules['probe'].seen))\n"
+             "import importlib\nreal = importlib.import_module\n"
+             "def spy(name):\n    sys.modules['probe'].seen = gc.isenabled()\n    return real(name)\n"
+             "importlib.import_module = spy\n"
+             "from utils.startup import run_tool\nrun_tool('probe')\n")
+    assert _python(probe) == "True True False"  # resumed and frozen after; paused while the module imported

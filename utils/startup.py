@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import importlib
+import sys
 
 _paused = False  # pause_collector ran and imports_done has not
 
@@ -33,6 +35,14 @@ def pause_collector() -> None:
     if gc.isenabled():
         gc.disable()
         _paused = True
+
+
+def run_tool(module: str, *args) -> None:
+    """A tool's `__main__.py`: `module` imported with the collector paused, then `sys.exit(module.main(*args))`."""
+    pause_collector()
+    main = importlib.import_module(module).main
+    imports_done()
+    sys.exit(main(*args))
 
 
 def imports_done() -> None:

@@ -1,17 +1,11 @@
 """`python -m utils.comm tp=4 dp=2 order=tp-dp`: print a layout's rank groups (utils/plan/layout.py), launch nothing.
 
-A module of its own so that the grid (utils/comm/__init__.py) imports nothing above it: this one sits
-with the tools (tests/test_architecture.py LAYERS).
+The printer is a tool's (utils/plan/layout.py), named here only as text (utils/startup.py `run_tool`): the grid's
+folder imports nothing above its layer.
 """
 
 import sys
 
-from utils.startup import imports_done, pause_collector
+from utils.startup import run_tool
 
-pause_collector()  # until the imports are done (utils/startup.py)
-
-from utils.plan.layout import main  # noqa: E402 - imported with the collector paused
-
-imports_done()
-
-sys.exit(main(sys.argv[1:]))
+run_tool("utils.plan.layout", sys.argv[1:])

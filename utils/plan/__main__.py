@@ -1,13 +1,5 @@
 """`python -m utils.plan`: see utils/plan/cost_model.py."""
 
-import sys
+from utils.startup import run_tool
 
-from utils.startup import imports_done, pause_collector
-
-pause_collector()  # until the imports are done (utils/startup.py)
-
-from utils.plan.cost_model import main  # noqa: E402 - imported with the collector paused
-
-imports_done()
-
-sys.exit(main())
+run_tool("utils.plan.cost_model")
