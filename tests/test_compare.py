@@ -278,3 +278,15 @@ def test_presets_chosen_differently_are_one_column(tmp_path, capsys):
     assert list(table_rows(out)[0])[1:8] == ["data.kind", "model.arch", "task.kind", "optim.lr", "data.attention",
                                              "data.bpe_vocab_size", "layout"]
     assert "other settings that differ between the runs: data.channels, " in out
+
+
+def test_a_setting_that_differs_within_one_preset_keeps_its_column(tmp_path, capsys):
+    """Two Llama runs of two tokenizers beside a ViT run: the `model` and `data` columns, and data.tokenizer's, which
+    tells the two Llama runs apart (the ViT run has none)."""
+    runs = [fake_run(tmp_path / "vit", "optim.lr=1e-3"),
+            *(fake_run(tmp_path / kind, "model=llama_tiny", "data=wikitext_sample", f"data.tokenizer={kind}")
+              for kind in ("bpe", "word"))]
+    assert main([str(d) for d in runs]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert [row.get("data.tokenizer") for row in rows] == ["", "bpe", "word"]
+    assert rows[0]["model"] == "vit_tiny" and rows[1]["model"] == rows[2]["model"] == "llama_tiny"

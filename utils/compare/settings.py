@@ -2,9 +2,10 @@
 
 Read from each run's config.yaml, and its presets.json (the preset chosen per group, written since the command
 line records it: utils/checkpoints/run_dir.py): a group whose preset differs between the runs is one column
-(`model`: vit_tiny, gpt_tiny) instead of every setting of its sections, when every run recorded its presets. The
-other settings that differ are columns of their own (`optim.lr`), the telling ones first (a family key such as
-`model.arch`, settings every run has), at most MAX_COLUMNS; the rest are named below the table (an experiment
+(`model`: vit_tiny, gpt_tiny) instead of every setting of its sections, when every run recorded its presets (a
+setting of those sections still has its column where it differs between runs of one preset). The other settings
+that differ are columns of their own (`optim.lr`), the telling ones first (a family key such as `model.arch`,
+settings every run has), at most MAX_COLUMNS; the rest are named below the table (an experiment
 preset is a column too, beside the settings it changed; the precision preset is the precision column). Left out: the
 run.* paths and the settings that change neither what is trained nor how fast (logging and checkpoint cadence,
 timeouts, data paths: utils/checkpoints/run_dir.py RESUME_SAFE); a layout's settings (parallel.*), compile,
@@ -56,8 +57,18 @@ def compare_settings(configs: list[dict[str, object]], presets: list[dict | None
 
     groups = [g for g in PRESET_SECTIONS if g != "precision" and all(p is not None for p in presets)
               and differs([p.get(g) for p in presets])]
-    covered = {section for g in groups for section in PRESET_SECTIONS[g]}
-    keys = [k for k in sorted(set().union(*configs)) if not ignored(k) and k.split(".")[0] not in covered
+    covered = {section: g for g in groups for section in PRESET_SECTIONS[g]}
+
+    def within_presets(key: str) -> bool:
+        """Whether `key` differs between runs that chose the same preset of the group its column stands for."""
+        group, same = covered.get(key.split(".")[0]), {}
+        if group is None:
+            return True
+        for preset, config in zip(presets, configs):
+            same.setdefault(preset.get(group), []).append(config.get(key, MISSING))
+        return any(differs(values) for values in same.values())
+
+    keys = [k for k in sorted(set().union(*configs)) if not ignored(k) and within_presets(k)
             and differs([c.get(k, MISSING) for c in configs])]
     keys.sort(key=lambda k: (k.rsplit(".", 1)[-1] not in IDENTITY_KEYS, any(k not in c for c in configs)))
     shown, more = keys[:MAX_COLUMNS - len(groups)], keys[MAX_COLUMNS - len(groups):]
