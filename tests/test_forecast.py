@@ -172,8 +172,8 @@ def test_bf16_rollouts_follow_the_fp32_rollout(single, era5_root, tmp_path):
 
 @pytest.mark.parametrize("args,line", [
     (["task.eval.every=1", "task.eval.steps=40"],
-     "error: a rollout of 40 steps of dt=1 needs 41 times after each of 8 initial times, and the validation split "
-     "holds 0 such starts (segments of at most 32 times) (task.eval.steps): use task.eval.steps <= 31 or fewer "
+     "error: a rollout of 40 steps of dt=1 needs 40 times after each of 8 initial times, and the validation split "
+     "holds 0 such starts (segments of at most 32 times) (task.eval.steps): use task.eval.steps <= 24 or fewer "
      "task.eval.inits"),
     (["model=gpt_tiny", "data=wikitext_sample", "task.eval.every=5"],  # the language task has no such setting
      "error: unknown setting 'task.eval.every' (task.eval.every=5): check the spelling; `python train.py --cfg` "

@@ -37,8 +37,13 @@ def test_resume_refuses_other_settings(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("step_0000010")
     (tmp_path / "config.yaml").write_text(yaml)
     check_resumable(tmp_path, yaml)
-    with pytest.raises(ConfigError, match="optim.lr"):
+    with pytest.raises(ConfigError, match="optim.lr") as refused:
         check_resumable(tmp_path, other)
+    assert refused.value.fix.startswith("set run.tag=<name> or run.dir=<new folder>")
+    _, _, named = load_config(["optim.lr=1e-2", f"run.dir={tmp_path}"])
+    with pytest.raises(ConfigError) as refused:  # run.tag names only a default run.dir: not offered
+        check_resumable(tmp_path, named)
+    assert refused.value.fix.startswith("set run.dir=<new folder>") and "run.tag" not in refused.value.fix
 
 
 def test_resume_accepts_another_layout():

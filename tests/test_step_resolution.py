@@ -230,5 +230,5 @@ def test_a_forecast_longer_than_the_data_names_steps(vit_run, era5_root, tmp_pat
         main([str(vit_run / "checkpoints" / "step_0000001"), "--steps", "40", "--out", str(tmp_path),
               f"data.root={era5_root}"])
     assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [
-        "error: a rollout of 40 steps of dt=1 needs 41 times after each of 8 initial times, and the validation split "
-        "holds 0 such starts (segments of at most 32 times) (--steps): use --steps <= 31 or fewer --init"]
+        "error: a rollout of 40 steps of dt=1 needs 40 times after each of 8 initial times, and the validation split "
+        "holds 0 such starts (segments of at most 32 times) (--steps): use --steps <= 24 or fewer --init"]

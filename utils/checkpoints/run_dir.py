@@ -150,8 +150,10 @@ def check_resumable(run_dir: Path, config_yaml: str, presets: dict[str, str] | N
     if differences(old, config_yaml):
         recorded = read_facts(run_dir, PRESETS_FILE)
         changed = changed_settings(old, config_yaml, recorded, presets and preset_facts(presets))
+        named = flat_config(config_yaml).get("run.dir") is not None  # run.tag names only a default run.dir
         raise ConfigError(f"{run_dir} holds checkpoints of a run with other settings ({summary(changed)})", "run.dir",
-                          "set run.tag=<name> or run.dir=<new folder>, or trainer.resume=never to start it over")
+                          ("set" if named else "set run.tag=<name> or") + " run.dir=<new folder>, or "
+                          "trainer.resume=never to start it over")
 
 
 LAYOUT_FILE = "layout.json"  # the resolved layout of a run's last launch, beside config.yaml

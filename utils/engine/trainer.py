@@ -221,8 +221,8 @@ class Trainer:
         """fit's loop. A stop signal in the step that reaches max_steps changes nothing: the run validates,
         saves and ends with 0 like any finished run (a requeued job would find nothing to do)."""
         if self.step >= self.tc.max_steps:
-            self.log.info(f"run.dir already holds a finished run at step {self.step}; nothing to do "
-                          "(set trainer.resume=never or another run.tag to start over)")
+            self.log.info(f"run.dir already holds a finished run at step {self.step}; nothing to do (set trainer."
+                          f"resume=never or another {'run.dir' if self.cfg.run.dir else 'run.tag'} to start over)")
             return 0
         self.log.info(f"training from step {self.step} to {self.tc.max_steps}")
         if (saved := self.stop_before_start(request)) is not None:

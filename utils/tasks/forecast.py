@@ -96,10 +96,13 @@ class Rollouts:
         if times is not None:
             return cls._at(dataset, steps, [cls._locate(dataset.reader, t, span, setting) for t in times])
         usable = [(i, t) for i, num in enumerate(lengths) for t in range(num - span)]
-        require(len(usable) >= count, f"a rollout of {steps} steps of dt={dataset.dt} needs {span + 1} times after "
-                f"each of {count} initial times, and the validation split holds {len(usable)} such starts (segments "
-                f"of at most {max(lengths)} times)", "task.eval.steps",
-                f"use task.eval.steps <= {max(0, (max(lengths) - 1) // dataset.dt)} or fewer task.eval.inits")
+        if len(usable) < count:  # the longest rollout that has `count` starts
+            fits = [s for s in range(1, max(lengths)) if sum(max(0, num - s * dataset.dt) for num in lengths) >= count]
+            raise ConfigError(
+                f"a rollout of {steps} steps of dt={dataset.dt} needs {span} times after each of {count} initial "
+                f"times, and the validation split holds {len(usable)} such start{'s' * (len(usable) != 1)} "
+                f"(segments of at most {max(lengths)} times)", "task.eval.steps",
+                (f"use task.eval.steps <= {max(fits)} or " if fits else "use ") + "fewer task.eval.inits")
         return cls._at(dataset, steps, [usable[k * len(usable) // count] for k in range(count)])
 
     @staticmethod
