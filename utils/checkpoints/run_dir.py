@@ -221,10 +221,11 @@ def complete_step(folder: Path) -> bool:
         (folder / name).is_file() for name in marker["files"])
 
 
-def resolve_step(path: Path, setting: str) -> Path:
+def resolve_step(path: Path, setting: str, also: str = "") -> Path:
     """The step folder a tool should read for what a user has in hand: a step_* folder itself, a run
     directory or its checkpoints/ folder (the newest complete step), or checkpoints/latest (the step it
-    names). Anything else is refused in one line that lists the complete steps that do exist nearby."""
+    names). Anything else is refused in one line that lists the complete steps that do exist nearby; `also`:
+    what else the caller takes, named in the fix ("a Hugging Face model folder") unless steps are listed."""
     path = Path(path)
     if path.name == "latest" and path.is_file():
         path = path.parent / path.read_text().strip()
@@ -234,13 +235,14 @@ def resolve_step(path: Path, setting: str) -> Path:
     if not path.name.startswith("step_") and folder.is_dir():
         steps = sorted((p for p in folder.glob("step_*") if complete_step(p)), reverse=True)
         require(bool(steps), f"{path} holds no complete checkpoint", setting,
-                "train the run until it saves one (trainer.ckpt_every), or give a step_* folder")
+                "train the run until it saves one (trainer.ckpt_every), or give a step_* folder"
+                + (f", or {also}" if also else ""))
         return steps[0]
     nearby = path.parent if path.parent.name == "checkpoints" else folder / "checkpoints"
     steps = sorted(p.name for p in nearby.glob("step_*") if complete_step(p)) if nearby.is_dir() else []
     what = "is not a complete checkpoint" if path.is_dir() else "does not exist"
     fix = f"pick one of the complete steps in {nearby}: {', '.join(steps)}" if steps else \
-        "give a run directory, its checkpoints/ folder or a step_* folder"
+        "give a run directory, its checkpoints/ folder or a step_* folder" + (f", or {also}" if also else "")
     raise ConfigError(f"{path} {what}", setting, fix)
 
 

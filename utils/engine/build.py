@@ -27,7 +27,7 @@ from distributed.pipeline.stages import cut_for_rank
 from distributed.placement import local_pieces
 from distributed.rng import seed_default_stream
 from distributed.tensor.parallelize import parallelize, sequence_parallel_notice, sequence_parallel_on
-from utils import ConfigError, require
+from utils import require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer, names_own_step, resume_state
 from utils.checkpoints.hf_stream import read_pieces
@@ -191,11 +191,7 @@ def init_source(folder: Path) -> Path:
     the newest complete step); ConfigError naming the complete steps there are for anything else."""
     if (folder / "config.json").is_file():
         return folder
-    try:
-        return resolve_step(folder, "trainer.init_from")
-    except ConfigError as err:
-        fix = err.fix if err.fix.startswith("pick one of") else f"{err.fix}, or a Hugging Face model folder"
-        raise ConfigError(err.what, err.setting, fix) from None
+    return resolve_step(folder, "trainer.init_from", also="a Hugging Face model folder")
 
 
 def check_init_from(folder: Path, cfg: Config, task: Task) -> None:

@@ -206,11 +206,7 @@ def resolve_source(source: Path) -> tuple[Path, str | None]:
 
     if (source / "config.json").is_file():
         return source, None
-    try:
-        step = resolve_step(source, SOURCE)
-    except ConfigError as err:  # the fix names the steps there are, or what to give: a Hugging Face folder too
-        fix = err.fix if err.fix.startswith("pick one of") else f"{err.fix}, or a Hugging Face model folder"
-        raise ConfigError(err.what, err.setting, fix) from None
+    step = resolve_step(source, SOURCE, also="a Hugging Face model folder")
     return step, None if step == source else f"reading {step} (from {source})"
 
 
