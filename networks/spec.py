@@ -1,20 +1,29 @@
 """A model family as one spec: what the framework needs of a model, declared once.
 
-A family is its schema, the task it trains with and a builder (`ModelSpec`), declared in a family module
-(`FAMILY = ModelSpec(...)` and its `model=` PRESETS: utils/tasks/registry.py's contract, found through a
-`dlscale.families` entry point or DLSCALE_FAMILIES); the model the builder returns answers the rest (`FamilyModel`):
+A family is a folder (networks/families/<name>/, or a package outside the tree) whose module defines
+`FAMILY = ModelSpec(...)` and its `model=` PRESETS (utils/tasks/registry.py's contract: the built-in folders are
+found by a scan of networks/families/, the others through a `dlscale.families` entry point or DLSCALE_FAMILIES).
+The spec declares what is known from the config alone; the model its builder returns answers the rest
+(`FamilyModel`):
 
+    task               the workload it trains with ("language", "weather": utils/tasks/), whose data it reads
     built where        the builder runs under torch.device("meta") in the real build (shapes, ties, no
                        memory); buffers are computed by the modules that hold them (`init_buffers(device)`)
+    layout rules       spec.check_layout(model config, parallel config): what it refuses (heads over tp, ...),
+                       checked once with the config, before any rank starts
+    pipeline split     spec.blocks(model config): the number of its `blocks`, the units pipeline stages take
+    capabilities       spec.documents: it reads packed documents (`documents`, `read_documents`)
     shard init         init_rules(): single-process name -> networks.initialization.Init, drawn shard by shard
     parallel plan      parallel_plan(): the roles tensor, sequence, context and pipeline parallelism act on
-    FLOPs              matmul_params(): weights in matrix multiplies (utils/engine/flops.py's formula)
-    pipeline shapes    PIPELINE_ENDS, embed(), output(), num_tokens(), output_shape(): the stages' ends and
-                       the activation between stages
+    FLOPs              matmul_params(): weights in matrix multiplies; attention_layers(): (layers, width,
+                       causal) of its softmax attention (utils/engine/flops.py's formula)
+    pipeline shapes    PIPELINE_ENDS, embed(), output(), num_tokens(), output_shape(), stage_shape(): the
+                       stages' ends and the activation between stages
     loss               criterion(output, target): the training loss, also what a pipeline's last stage
                        computes; a task whose loss is anything else under some settings says so
                        (`Task.loss_is_criterion`) and pp is refused there, instead of a loss term dropped
-    Hugging Face       hf_model_types: the `model_type`s utils/checkpoints/hf.py exchanges with the family
+    Hugging Face       spec.hf: its adapter (networks/exchange.py `HFAdapter`: config.json both ways and the
+                       rules its tensors are made by), which import, sliced import and export read
 
 Nothing else names a family: the build, the trainer, the checkpoints and the tools go through these.
 A family's attention core must be `networks.blocks.ScaledDotProductAttention` (plain softmax attention) to
@@ -31,6 +40,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from networks.exchange import HFAdapter
 from networks.initialization import Init
 from networks.parallel_plan import ParallelPlan
 
@@ -49,9 +59,15 @@ class FamilyModel(Protocol):
     def output(self, x: torch.Tensor) -> torch.Tensor: ...
     def num_tokens(self, x: torch.Tensor) -> int: ...
     def output_shape(self, batch: int, tokens: int) -> tuple[int, ...]: ...
+    def stage_shape(self, batch: int, tokens: int) -> tuple[int, ...]: ...
+    def attention_layers(self) -> tuple[int, int, bool]: ...
 
 
-@dataclass(frozen=True)
+def no_layout_rules(model: Any, parallel: Any) -> None:
+    """A family that every layout the grid accepts can split."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A model family (`model.arch`) and everything the framework needs to build, split and exchange it."""
 
@@ -59,15 +75,20 @@ class ModelSpec:
     name: str  # as messages name it
     schema: type  # the config dataclass of `model=` (validated in its __post_init__)
     presets: str  # the presets a user chooses from, for messages ("model=vit_tiny, vit_base or vit_large")
-    task: type  # the Task it trains with (its data: task.DATA_KIND, DATA_NAME, DATA_SCHEMAS)
+    tiny: str  # its smallest preset: what a tool composes before setting a checkpoint's model.* on it
+    task: str | type  # the workload it trains with: a name of utils/tasks' TASKS, or a Task class
     build: Callable[[Any, Any], nn.Module]  # (model config, task) -> the serial FamilyModel
-    hf_model_types: tuple[str, ...] = ()  # Hugging Face model types its adapter reads and writes
+    blocks: Callable[[Any], int]  # model config -> the number of its `blocks` (the pipeline's units)
+    check_layout: Callable[[Any, Any], None] = no_layout_rules  # (model, parallel config): ConfigError if refused
+    documents: bool = False  # reads packed documents (data.packing=documents): `documents`, `read_documents`
+    hf: HFAdapter | None = None  # its exchange with Hugging Face folders (None: none)
 
 
 def check_family_model(model: nn.Module) -> list[str]:
     """The parts of the FamilyModel contract `model` lacks (a meta build is enough), for a new family's tests."""
     wanted = [name for name in ("PIPELINE_ENDS", "blocks", "criterion", "init_rules", "parallel_plan",
-                                "matmul_params", "embed", "output", "num_tokens", "output_shape")]
+                                "matmul_params", "attention_layers", "embed", "output", "num_tokens", "output_shape",
+                                "stage_shape")]
     missing = [name for name in wanted if not hasattr(model, name)]
     if "init_rules" not in missing:
         names = {n for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, nn.Parameter)}

@@ -6,7 +6,7 @@ One definition for the family; GPT-2 and Llama are two configurations of it (`mo
 GELU MLP, biases, learned positions, tied head; `model=llama_*` (`LlamaConfig`): RMSNorm, SwiGLU, no
 biases, rotary positions with a configurable base and Llama 3.1's frequency scaling, grouped-query
 attention, untied head). The weights map one to one onto Hugging Face's GPT2LMHeadModel and
-LlamaForCausalLM (utils/checkpoints/hf.py).
+LlamaForCausalLM (networks/decoder_exchange.py).
 Built from `networks.blocks.Block`; `parallel_plan()` declares the parts that `distributed.tensor.parallelize`
 and `distributed.context.parallelize` swap. The attributes (the trainer, pipeline and decoding read them):
 
@@ -38,6 +38,7 @@ from torch import nn
 from networks.blocks import MLPS, NORMS, Block, DecodeStep, KVCache, Rotary, SequenceRegion, make_norm
 from networks.documents import Documents, unpack_ids
 from networks.initialization import Init, initialize, linear_rules
+from networks.layout import check_heads
 from networks.parallel_plan import BLOCK, ParallelPlan
 from utils import require
 
@@ -157,6 +158,21 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
     """`vocab` rounded up to a multiple of `multiple`."""
     assert vocab > 0 and multiple > 0
     return -(-vocab // multiple) * multiple
+
+
+def check_layout(cfg: GPTConfig, parallel) -> None:
+    """The layouts the decoder refuses (its family's `check_layout`): heads over tp and cp; key/value heads split
+    over tp when tp divides them, kept whole (each rank its queries' group) when they divide tp; a gated MLP's units
+    whole on one tp rank."""
+    tp = parallel.tp
+    check_heads(cfg.num_heads, parallel)
+    require(cfg.kv_heads % tp == 0 or tp % cfg.kv_heads == 0,
+            f"model.num_kv_heads={cfg.kv_heads} with parallel.tp={tp}: key/value heads are split over tp when tp "
+            "divides them and kept whole (each rank its queries' group) when they divide tp", "parallel.tp",
+            f"choose a parallel.tp that divides or is a multiple of {cfg.kv_heads}")
+    require(cfg.mlp != "swiglu" or cfg.hidden % tp == 0, f"model.mlp_hidden={cfg.hidden} is not divisible by "
+            f"parallel.tp={tp} (the gated MLP keeps each unit's gate and up rows on one rank)", "model.mlp_hidden",
+            f"choose a multiple of {tp}")
 
 
 def check_seq_len(cfg: GPTConfig, seq_len: int) -> None:
@@ -310,6 +326,14 @@ class GPT(nn.Module):
     def output_shape(self, batch: int, tokens: int) -> tuple[int, ...]:
         """Shape of `output` for `tokens` tokens reaching the head (the rank's vocabulary rows)."""
         return batch, tokens, self.lm_head.weight.shape[0]
+
+    def stage_shape(self, batch: int, tokens: int) -> tuple[int, ...]:
+        """The activation between pipeline stages for `tokens` tokens on this rank: (B, S_local, D)."""
+        return batch, tokens, self.cfg.embed_dim
+
+    def attention_layers(self) -> tuple[int, int, bool]:
+        """(layers, width, causal) of its attention, for the FLOPs' attention term: every block, causal."""
+        return self.cfg.depth, self.cfg.embed_dim, True
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of `idx` (B, S) against `targets` (B, S)."""

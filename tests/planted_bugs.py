@@ -206,7 +206,7 @@ PLANTS = {
     "slice_import_last_row_as_padding": Plant(
         "sliced import", "a box that reaches the end of a padded vocabulary reads its last real row as padding "
         "(zeros): off by one at the boundary",
-        (("utils/checkpoints/hf_stream.py", "real = max(r0, min(r1, rule.real_rows))",
+        (("networks/exchange.py", "real = max(r0, min(r1, rule.real_rows))",
           "real = max(r0, min(r1, rule.real_rows - (r1 >= rule.real_rows and _plant_hit(1))))"),),
         lambda c: False,
         tests=(("tests/test_hf_slices.py::test_every_box_read_by_slices_equals_the_whole_import", "gpt2"),)),

@@ -29,8 +29,9 @@ class {cls}(ToyConfig):
     ARCH = "{arch}"
 
 
-FAMILY = ModelSpec("{arch}", "{arch} decoder", {cls}, "model={preset}", LanguageTask,
-                   lambda cfg, task: ToyLM(cfg, task.vocab_size))
+FAMILY = ModelSpec(arch="{arch}", name="{arch} decoder", schema={cls}, presets="model={preset}", tiny="{preset}",
+                   task=LanguageTask, build=lambda cfg, task: ToyLM(cfg, task.vocab_size),
+                   blocks=lambda cfg: cfg.depth)
 PRESETS = {{"{preset}": {cls}(depth=1)}}
 """
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from networks.exchange import Rule, assemble, disassemble
 from tests.helpers import QUIET, make_tokenizer, read_scalars, run_main
 from tests.rank_pool import run_entry_ranks
 from utils.checkpoints import hf
@@ -94,10 +95,26 @@ def test_logits_and_greedy_tokens_equal_transformers_both_ways(tmp_path, kind):
 
 
 def test_fused_layouts_invert():
+    """The rules one table states (networks/exchange.py): import assembles ours from theirs, export gives them
+    back."""
     q, k, v = torch.randn(8 * 3, 5), torch.randn(2 * 3, 5), torch.randn(2 * 3, 5)  # 8 query heads, 2 groups, hd 3
-    fused = hf.fuse_qkv(q, k, v, groups=2)
+    qkv = Rule("qkv", ("q", "k", "v"), (0, 0, 0), False, group=(4 * 3, 3))
+    fused = assemble(qkv, (36, 5), {"q": q, "k": k, "v": v})
     assert torch.equal(fused[:4 * 3], q[:4 * 3]) and torch.equal(fused[4 * 3:5 * 3], k[:3])  # group 0: its q, k, v
-    assert all(torch.equal(a, b) for a, b in zip(hf.split_qkv(fused, 2, 4), (q, k, v)))
+    assert torch.equal(fused[5 * 3:6 * 3], v[:3]) and torch.equal(fused[6 * 3:10 * 3], q[4 * 3:])  # then group 1
+    back = disassemble(qkv, fused, {"q": (24, 5), "k": (6, 5), "v": (6, 5)})
+    assert all(torch.equal(back[n], t) for n, t in zip("qkv", (q, k, v)))
+    conv = torch.randn(5, 3 * 12)  # GPT-2's c_attn: (in, out), out ordered ({q, k, v}, head, hd): 4 heads of 3
+    fused_rule = Rule("qkv", ("c",) * 3, (0, 12, 24), True, group=(3, 3))
+    ours = assemble(fused_rule, (36, 5), {"c": conv})
+    assert torch.equal(ours[:9], conv.t()[[0, 1, 2, 12, 13, 14, 24, 25, 26]])  # head 0: its q, k, v rows
+    assert torch.equal(disassemble(fused_rule, ours, {"c": (5, 36)})["c"], conv)
+    gate, up = torch.randn(4, 5), torch.randn(4, 5)
+    gate_up = Rule("gate_up", ("g", "u"), (0, 0), False)
+    rows = assemble(gate_up, (8, 5), {"g": gate, "u": up})
+    assert torch.equal(rows[0::2], gate) and torch.equal(rows[1::2], up)
+    padded = assemble(Rule("same", ("e",), (0,), False, real_rows=3), (4, 5), {"e": up[:3]})
+    assert torch.equal(padded[:3], up[:3]) and not padded[3].any()  # the vocabulary's padding row is zero
 
 
 # ------------------------------------------------------------------------------------------------ workflow

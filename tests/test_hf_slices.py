@@ -1,5 +1,6 @@
 """Hugging Face folders read by slices and written by shards (utils/checkpoints/hf_stream.py).
 
+- The whole-tensor import's vocabulary rows are the stored rows, then zero padding.
 - Every box of every tensor (rows and columns; every single row of the fused QKV, across its kv groups and
   its q/k/v parts, and of the gate/up interleave; rows into the padded vocabulary; 1-D tensors; whole tensors)
   read by slices equals the same box of the whole-tensor import (`hf.import_state`), for GPT-2 (Conv1D: boxes
@@ -69,6 +70,9 @@ def test_every_box_read_by_slices_equals_the_whole_import(folder):
     cfg, vocab = model_config(folder)
     full = hf.import_state(folder, cfg, vocab)
     assert full["tok_embed.weight"].shape[0] > vocab  # padded rows are among the boxes
+    stored = hf.read_weights(folder)  # the whole import itself, against the stored rows: each real row, then zeros
+    embed = stored.get("transformer.wte.weight", stored.get("model.embed_tokens.weight"))
+    assert torch.equal(full["tok_embed.weight"][:vocab], embed) and not full["tok_embed.weight"][vocab:].any()
     gen = torch.Generator().manual_seed(0)
     pieces = []
     for name, tensor in full.items():

@@ -298,8 +298,8 @@ def test_the_predicted_verdicts_are_those_of_the_command_line():
     from utils import ConfigError
     from utils.comm import Axis, batch_parts, check_grid
     from utils.data.batching import check_batch
-    from utils.engine.build import pipeline_plan
     from utils.launch_env import LaunchEnv
+    from utils.tasks import pipeline_plan
 
     def command_line(case: Case) -> str | None:
         try:

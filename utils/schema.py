@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from distributed.pipeline.stage_plan import SCHEDULES, SPLIT_BACKWARD, resolve_plan
+from distributed.pipeline.stage_plan import SCHEDULES, SPLIT_BACKWARD
 from utils import require
 
 AXIS_NAMES = ("tp", "cp", "dp", "pp")  # the grid's axes (utils/comm/__init__.py `Axis`), in default order
@@ -220,7 +220,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
-        model, tp, cp = self.model, self.parallel.tp, self.parallel.cp
+        model, cp = self.model, self.parallel.cp
         require(model.dropout == 0 or cp == 1 or self.parallel.cp_attention in ("allgather", "alltoall"),
                 f"model.dropout={model.dropout} with parallel.cp={cp}: ring attention has no dropout",
                 "parallel.cp_attention", "use parallel.cp_attention=allgather or alltoall, or model.dropout=0")
@@ -233,19 +233,12 @@ class Config:
                     "use parallel.dp_mode=ddp, or pp_schedule=gpipe, 1f1b, interleaved_1f1b or looped_bfs")
             require(self.precision.mode != "fp16", "parallel.dp_mode=fsdp with precision=fp16: the loss scaler is not "
                     "verified with FSDP2's sharded gradients", "precision", "use precision=bf16 (or fp32) with fsdp")
-        require(model.num_heads % tp == 0, f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}",
-                "parallel.tp", f"choose a parallel.tp that divides {model.num_heads}, or model.num_heads a "
-                "multiple of parallel.tp")
-        split = {"alltoall": cp, "hierarchical": self.parallel.cp_a2a}.get(self.parallel.cp_attention, 1)
-        require(cp == 1 or model.num_heads % (tp * split) == 0,
-                f"parallel.cp_attention={self.parallel.cp_attention} splits each tp rank's "
-                f"{model.num_heads // tp} heads over {split} ranks", "parallel.cp_attention",
-                f"use a model.num_heads that is a multiple of {tp * split}, or parallel.cp_attention=ring or allgather")
 
     def check_pipeline(self) -> None:
-        par = self.parallel
-        plan = resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, self.model.depth)
-        require(not (self.precision.compile and plan.schedule in SPLIT_BACKWARD),
-                f"pp_schedule={plan.schedule} splits backward into input and weight gradients, which torch cannot "
+        """What the schedule refuses with these settings; the split of the family's blocks into stages is checked
+        with the family (utils.tasks `pipeline_plan`)."""
+        schedule = self.parallel.pp_schedule
+        require(not (self.precision.compile and schedule in SPLIT_BACKWARD),
+                f"pp_schedule={schedule} splits backward into input and weight gradients, which torch cannot "
                 "do for compiled blocks (pytorch#161904)", "precision.compile",
                 "set precision.compile=false, or use pp_schedule=gpipe, 1f1b, interleaved_1f1b or looped_bfs")

@@ -4,7 +4,7 @@
   hold, before tensor and context parallelism shard the rest: the blocks it keeps stay under their
   global names (`blocks` becomes an `nn.ModuleDict` keyed by the block index), the model's first part
   (`embed`) stays only with stage 0 and its last part (`output`) only with the last stage
-  (`PIPELINE_ENDS` of networks/vit.py and networks/transformer.py names their attributes). Parts
+  (`PIPELINE_ENDS` of networks/families/vit/model.py and networks/transformer.py names their attributes). Parts
   without parameters (dropouts, sequence markers, the criterion) stay everywhere. So the rank's module
   has the full model's state-dict names for what it holds: checkpoints keep global names, and the
   rank modules of a pipeline partition the full model's keys.
@@ -121,11 +121,11 @@ class StageModule(nn.Module):
                 setattr(self, name, value)
         self._model = (model,)  # not a submodule: its other parts belong to other stages
 
-    def activation_shape(self, batch: int, device: torch.device) -> tuple[int, int, int]:
-        """(B, N_local, C) of the activations this stage receives or sends for `batch` samples of `length`
-        tokens; fixes the split region's layouts for `length` on the way."""
+    def activation_shape(self, batch: int, device: torch.device) -> tuple[int, ...]:
+        """The shape of the activations this stage receives or sends for `batch` samples of `length` tokens (the
+        family's `stage_shape` of the rank's tokens); fixes the split region's layouts for `length` on the way."""
         model = self._model[0]
-        return batch, enter_regions(model, self.length, device), model.cfg.embed_dim
+        return model.stage_shape(batch, enter_regions(model, self.length, device))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """`ids`: the micro-batch's token ids, given to every stage when the rows are packed documents (each

@@ -3,6 +3,7 @@
 train.py model=toy_tiny data=wikitext_sample` trains it; tests add it in their process with
 `utils.tasks.registry.add_modules(["tests.toy_family"])`."""
 
+from networks.layout import check_heads
 from networks.spec import ModelSpec
 from tests.toy_family.model import ToyConfig, ToyLM
 from utils.tasks.language import LanguageTask
@@ -12,5 +13,7 @@ def _build(cfg: ToyConfig, task: LanguageTask) -> ToyLM:
     return ToyLM(cfg, task.vocab_size)
 
 
-FAMILY = ModelSpec("toy", "toy decoder", ToyConfig, "model=toy_tiny", LanguageTask, _build)
+FAMILY = ModelSpec(arch="toy", name="toy decoder", schema=ToyConfig, presets="model=toy_tiny", tiny="toy_tiny",
+                   task=LanguageTask, build=_build, blocks=lambda cfg: cfg.depth,
+                   check_layout=lambda cfg, parallel: check_heads(cfg.num_heads, parallel))
 PRESETS = {"toy_tiny": ToyConfig}

@@ -97,5 +97,11 @@ class ToyLM(nn.Module):
     def output_shape(self, batch: int, tokens: int) -> tuple[int, ...]:
         return batch, tokens, self.lm_head.weight.shape[0]
 
+    def stage_shape(self, batch: int, tokens: int) -> tuple[int, ...]:
+        return batch, tokens, self.cfg.embed_dim
+
+    def attention_layers(self) -> tuple[int, int, bool]:
+        return self.cfg.depth, self.cfg.embed_dim, True
+
     def matmul_params(self) -> int:
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))

@@ -3,13 +3,8 @@
 Import (`read_pieces`, for `trainer.init_from=<folder>`): each rank fills the pieces it holds
 (distributed/placement.py: the box `full[offsets[d] : offsets[d] + local.shape[d]]` of each single-process
 tensor) by reading only the rows and columns in them from the safetensors files (`safe_open(...).get_slice`),
-with the conversions of utils/checkpoints/hf.py in slice form. A `Rule` says where the rows of one of our
-tensors come from, and `row_runs` maps a row range onto reads of contiguous source rows:
-- "same": row r is source row r (GPT-2's Conv1D: column r of the (in, out) tensor, read as the transposed box);
-  rows past the source's (the padded vocabulary) are zero;
-- "qkv": rows (kv group, [the group's q heads, k, v], head_dim) come from q, k and v (Llama's three tensors,
-  or GPT-2's c_attn, whose ({q, k, v}, head, hd) parts start at 0, E and 2E): per group, one read of each;
-- "gate_up": row 2u + s is row u of gate (s = 0) or up (s = 1): one read of each, written with a stride of 2.
+by the rules the family's adapter gives (networks/exchange.py: a `Rule` per tensor, `row_runs` maps a row range
+onto reads of contiguous source rows), the same rules the whole-tensor import and the export read.
 Peak memory: the largest single read, at most one piece's box; never a whole file or model. The config
 (`hf.check_folder`) and every file's tensor names and shapes (headers only) are checked first, as the
 whole-tensor import (`hf.import_state`) checks them.
@@ -31,95 +26,17 @@ from pathlib import Path
 import torch
 
 from distributed.placement import Piece
+from networks.exchange import HFAdapter, fill
 from utils import require
 from utils.checkpoints import hf
 
-Run = tuple[int, int, int, int | None, int]  # (first row in the piece, step, count, source or None: zeros, source row)
-
 
 # ----------------------------------------------------------------------------------------------- import
-@dataclass(frozen=True)
-class Rule:
-    """Where the rows of one of our tensors come from (see the module doc for `kind`)."""
-
-    kind: str  # "same" | "qkv" | "gate_up"
-    sources: tuple[str, ...]  # their tensors (GPT-2's without "transformer."): one, (q, k, v) or (gate, up)
-    starts: tuple[int, ...]  # the row of each source (in our orientation) where its part begins
-    transposed: bool  # stored (in, out): our rows are its columns (GPT-2's Conv1D)
-    real_rows: int = 0  # "same": rows from here on are zero padding (the vocabulary)
-    group: tuple[int, int] = (0, 0)  # "qkv": (q rows, k rows) of one kv group
-
-
-def import_rules(model, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, Rule], dict[str, tuple[int, ...]]]:
-    """(our name -> its Rule, their name -> the shape config.json implies, as stored) for the model config
-    `model` whose single-process shapes (vocabulary unpadded: `hf.expected_shapes`) are `shapes`."""
-    head_dim, groups = model.embed_dim // model.num_heads, model.kv_heads
-    q_rows = model.num_heads // groups * head_dim
-    rules, wanted = {}, {}
-    for key, shape in shapes.items():
-        tied = key == "lm_head.weight" and model.tie_embeddings
-        names = hf.their_names(model.arch, "tok_embed.weight" if tied else key)
-        transposed = hf.is_conv1d(model.arch, names[0])
-        if ".attn.qkv." in key:
-            kv, total = groups * head_dim, shape[0]
-            starts = (0, total - 2 * kv, total - kv) if len(names) == 1 else (0, 0, 0)
-            parts = [shape] if len(names) == 1 else [(total - 2 * kv, *shape[1:]), (kv, *shape[1:]), (kv, *shape[1:])]
-            rules[key] = Rule("qkv", names * (3 // len(names)), starts, transposed, group=(q_rows, head_dim))
-        elif len(names) == 2:
-            parts = [(shape[0] // 2, *shape[1:])] * 2
-            rules[key] = Rule("gate_up", names, (0, 0), transposed)
-        else:
-            parts = [shape]
-            rules[key] = Rule("same", names, (0,), transposed, real_rows=shape[0])
-        wanted.update({n: tuple(reversed(s)) if transposed else s for n, s in zip(names, parts, strict=True)})
-    return rules, wanted
-
-
-def row_runs(rule: Rule, r0: int, r1: int) -> list[Run]:
-    """The reads that fill our rows [r0, r1): each a run of contiguous source rows, written to the piece's rows
-    first, first + step, ... (`Run`)."""
-    runs: list[Run] = []
-    if rule.kind == "same":
-        real = max(r0, min(r1, rule.real_rows))  # plant: slice_import_last_row_as_padding
-        runs += [(0, 1, real - r0, 0, r0)] if real > r0 else []
-        runs += [(real - r0, 1, r1 - real, None, 0)] if r1 > real else []
-    elif rule.kind == "gate_up":
-        for s in (0, 1):  # our row 2u + s <- row u of source s
-            u0, u1 = max(0, -(-(r0 - s) // 2)), -(-(r1 - s) // 2)
-            runs += [(2 * u0 + s - r0, 2, u1 - u0, s, u0)] if u1 > u0 else []
-    else:
-        q, kv = rule.group
-        size = q + 2 * kv
-        for g in range(r0 // size, -(-r1 // size)):
-            for src, (first, n, row) in enumerate(((g * size, q, g * q), (g * size + q, kv, g * kv),
-                                                   (g * size + q + kv, kv, g * kv))):
-                lo, hi = max(first, r0), min(first + n, r1)
-                runs += [(lo - r0, 1, hi - lo, src, rule.starts[src] + row + lo - first)] if hi > lo else []
-    return runs
-
-
-@torch.no_grad()
-def fill_piece(piece: Piece, rule: Rule, open_slice: Callable[[str], object]) -> None:
-    """Fill `piece.local` by reads of its rows and columns only (one slice at a time)."""
-    local = piece.local
-    if local.numel() == 0:
-        return
-    rows, *cols = piece.slices()
-    for first, step, count, src, src_row in row_runs(rule, rows.start, rows.stop):
-        dest = local[first:first + step * (count - 1) + 1:step]
-        if src is None:
-            dest.zero_()
-            continue
-        part, read = open_slice(rule.sources[src]), slice(src_row, src_row + count)
-        dest.copy_(part[cols[0], read].t() if rule.transposed else part[(read, *cols)])
-
-
-def open_sources(folder: Path, arch: str, stack: contextlib.ExitStack) -> dict[str, tuple[object, str]]:
-    """Their name (GPT-2's without "transformer.", buffers left out) -> (open file, name in it) of every tensor
-    of the folder's safetensors files (memory-mapped: nothing is read yet)."""
+def open_sources(folder: Path, adapter: HFAdapter, stack: contextlib.ExitStack) -> dict[str, tuple[object, str]]:
+    """Their name (as the adapter's rules name it: `HFAdapter.stored`, buffers left out) -> (open file, name in it)
+    of every tensor of the folder's safetensors files (memory-mapped: nothing is read yet)."""
     from safetensors import safe_open
 
-    ignored = hf.GPT2_IGNORED if arch == "gpt" else hf.LLAMA_IGNORED
     index = {}
     for file in hf.weight_files(folder):
         try:
@@ -127,8 +44,8 @@ def open_sources(folder: Path, arch: str, stack: contextlib.ExitStack) -> dict[s
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for damaged files
             raise hf.unreadable(file, err) from None
         for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-            if not name.endswith(ignored):
-                index[name.removeprefix("transformer.") if arch == "gpt" else name] = (handle, name)
+            if (ours := adapter.stored(name)) is not None:
+                index[ours] = (handle, name)
     return index
 
 
@@ -140,7 +57,7 @@ def check_sources(index: dict[str, tuple[object, str]], wanted: dict[str, tuple[
         have = tuple(handle.get_slice(stored).get_shape())
         require(have == shape, f"{name} has shape {have}, config.json implies {shape}", "DIR",
                 "give weights that match their config.json")
-    extra = sorted(set(index) - set(wanted) - ({"lm_head.weight"} if model.tie_embeddings else set()))
+    extra = sorted(set(index) - set(wanted) - hf.adapter(model).tolerated(model))
     require(not extra, f"the weights hold {len(extra)} tensors a {model.arch} model of config.json has not "
             f"(e.g. {extra[:1]})", "DIR", "check that config.json's depth and options describe these weights")
 
@@ -150,13 +67,13 @@ def read_pieces(folder: Path, model, vocab_size: int | None, pieces: Iterable[Pi
     folder, reading only their rows and columns; the folder is checked first (`hf.check_folder`: the config
     and the tokenizer's `vocab_size`; then the files' names and shapes)."""
     vocab = hf.check_folder(folder, model, vocab_size)["vocab_size"]
-    rules, wanted = import_rules(model, hf.expected_shapes(model, vocab))
+    rules, wanted, _ = hf.import_rules(model, vocab)
     with contextlib.ExitStack() as stack:
-        index = open_sources(folder, model.arch, stack)
+        index = open_sources(folder, hf.adapter(model), stack)
         check_sources(index, wanted, model)
         for piece in pieces:
             assert piece.name in rules, f"{piece.name} has no Hugging Face source"
-            fill_piece(piece, rules[piece.name], lambda name: index[name][0].get_slice(index[name][1]))
+            fill(piece.local, piece.slices(), rules[piece.name], lambda name: index[name][0].get_slice(index[name][1]))
 
 
 # ----------------------------------------------------------------------------------------------- export

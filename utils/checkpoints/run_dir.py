@@ -250,6 +250,7 @@ def load_run(checkpoint: Path, data_kind: str, data_overrides: list[str] = ()):
     """(family, model config, data config) of the run a step folder belongs to (its run directory's
     config.yaml, through the family registry), for tools that read a checkpoint in one process. The run
     must train on `data_kind`; `data_overrides` ('data.KEY=VALUE') change where the data is read from."""
+    from utils.tasks import task_of
     from utils.tasks.registry import families
 
     config = Path(checkpoint).parent.parent / "config.yaml"
@@ -257,8 +258,8 @@ def load_run(checkpoint: Path, data_kind: str, data_overrides: list[str] = ()):
             "give run.dir/checkpoints/step_NNNNNNN of a run train.py wrote")
     raw = OmegaConf.load(config)
     family = families().get(raw.model.arch)  # a discovered family's run too (DLSCALE_FAMILIES, entry points)
-    fits = [f.name for f in families().values() if f.task.DATA_KIND == data_kind]
-    require(family is not None and family.task.DATA_KIND == data_kind, f"{checkpoint} is a checkpoint of the "
+    fits = [f.name for f in families().values() if task_of(f).DATA_KIND == data_kind]
+    require(family is not None and task_of(family).DATA_KIND == data_kind, f"{checkpoint} is a checkpoint of the "
             f"{raw.model.arch} model, not of a {' or '.join(fits)} model", "CHECKPOINT",
             f"give a checkpoint of a {' or '.join(fits)} run")
     require(all(a.startswith("data.") and "=" in a for a in data_overrides), f"bad settings {data_overrides}",
@@ -266,7 +267,8 @@ def load_run(checkpoint: Path, data_kind: str, data_overrides: list[str] = ()):
     extra = OmegaConf.from_dotlist(list(data_overrides)).get("data", {})
     try:
         model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family.schema), raw.model))
-        schema = family.task.DATA_SCHEMAS[raw.data.get("kind", family.task.DATA_KIND)]
+        task = task_of(family)
+        schema = task.DATA_SCHEMAS[raw.data.get("kind", task.DATA_KIND)]
         data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw.data, extra))
     except Exception as err:  # OmegaConf's validation errors, or a schema's own ConfigError
         if isinstance(err, ConfigError):

@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from utils import ConfigError
 from utils.schema import Config, OptimConfig, ParallelConfig, PrecisionConfig
-from utils.tasks import check_pairing
+from utils.tasks import check_pairing, task_of
 from utils.tasks.registry import ENV, GROUP, MODEL_PRESETS, ORIGINS, families
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
@@ -48,9 +48,10 @@ def register_schemas() -> None:
     _store(None, "config_schema", Config)
     for spec in families().values():  # config/model/*.yaml and config/data/*.yaml start from these
         _store("model", f"{spec.arch}_schema", spec.schema)
-        for name, schema in spec.task.DATA_SCHEMAS.items():  # the task's data sources, config/task/ its settings
+        task = task_of(spec)
+        for name, schema in task.DATA_SCHEMAS.items():  # the task's data sources, config/task/ its settings
             _store("data", f"{name}_schema", schema)
-        _store("task", f"{spec.task.TASK_SCHEMA().kind}_schema", spec.task.TASK_SCHEMA)
+        _store("task", f"{task.TASK_SCHEMA().kind}_schema", task.TASK_SCHEMA)
     _store("precision", "precision_schema", PrecisionConfig)
     _store("parallel", "parallel_schema", ParallelConfig)
     _store("optim", "optim_schema", OptimConfig)

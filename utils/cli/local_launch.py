@@ -150,7 +150,7 @@ def launch_plan(argv: list[str], nproc: int | None) -> tuple[int, bool]:
     (each rank would print the same error otherwise)."""
     from utils.cli.runs import check_run_dir, run_digest
     from utils.data.batching import check_batch
-    from utils.engine.build import pipeline_plan
+    from utils.tasks import pipeline_plan
 
     cfg, choices, config_yaml = load_config(argv)
     p = cfg.parallel

@@ -22,7 +22,7 @@ from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import local, wrap_data_parallel
 from distributed.fsdp import param_groups, root_over_stage, shard_data_parallel
 from distributed.pipeline.schedule import Pipeline, PipelineForward
-from distributed.pipeline.stage_plan import PipelinePlan, resolve_plan
+from distributed.pipeline.stage_plan import PipelinePlan
 from distributed.pipeline.stages import cut_for_rank
 from distributed.placement import local_pieces
 from distributed.rng import seed_default_stream
@@ -53,7 +53,8 @@ from utils.engine.preemption import StopRequest
 from utils.engine.trainer import Trainer
 from utils.launch_env import restart_warning
 from utils.schema import Config
-from utils.tasks import Task, build_task
+from utils.tasks import Task, build_task, pipeline_plan
+from utils.tasks.registry import spec_of
 
 
 @dataclass
@@ -102,14 +103,8 @@ def build_model(cfg: Config, task: Task, grid: Grid, *, values: bool = True) -> 
 
 def flops_per_sample(cfg: Config, task: Task, model: nn.Module) -> float:
     """Training FLOPs of one sample of the full serial `model` (any device, meta included)."""
-    causal = any(getattr(m, "causal", False) is True for m in model.modules())  # attention cores say it
-    return training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(), cfg.model.depth,
-                                     cfg.model.embed_dim, causal)
-
-
-def pipeline_plan(cfg: Config) -> PipelinePlan:
-    par = cfg.parallel
-    return resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, cfg.model.depth)
+    layers, width, causal = model.attention_layers()  # the family's (networks/spec.py)
+    return training_flops_per_sample(task.tokens_per_sample(), model.matmul_params(), layers, width, causal)
 
 
 def build_pipeline(cfg: Config, task: Task, grid: Grid, model: nn.Module, plan: PipelinePlan):
@@ -198,8 +193,9 @@ def check_init_from(folder: Path, cfg: Config, task: Task) -> None:
     """A complete checkpoint (`init_source`), or a Hugging Face folder of the configured language model (its
     config.json checked against model.* and the tokenizer's vocabulary, before any work)."""
     if (init_source(folder) / "config.json").is_file():
-        require(cfg.model.arch in ("gpt", "llama"), f"{folder} is a Hugging Face folder, and model={cfg.model.arch} "
-                "is not a language model", "trainer.init_from", "give a checkpoint of a run of this model")
+        require(spec_of(cfg.model.arch).hf is not None, f"{folder} is a Hugging Face folder, and model="
+                f"{cfg.model.arch} exchanges no weights with Hugging Face", "trainer.init_from",
+                "give a checkpoint of a run of this model")
         hf.check_folder(folder, cfg.model, task.vocab_size)
 
 

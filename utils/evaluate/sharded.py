@@ -33,13 +33,14 @@ def sharded_model(described, source, *, tp: int, pp: int, sequence_parallel: boo
     from utils.comm import check_grid, init_grid
     from utils.engine.build import build_model, load_model_weights
     from utils.tasks import build_task, check_pairing
+    from utils.tasks.registry import spec_of
 
     world = ranks_of_launch()
     require(tp * pp == world, f"--tp {tp} x --pp {pp} is not the launch's {world} ranks", "--tp",
             f"give --tp and --pp whose product is {world}")
-    arch = described.cfg.arch
+    tiny = spec_of(described.cfg.arch).tiny  # a config to set the source's model on
     sp = [] if sequence_parallel is None else [f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]
-    base, _, _ = load_config([f"model={arch}_tiny", "data=wikitext_sample", f"parallel.tp={tp}",
+    base, _, _ = load_config([f"model={tiny}", "data=wikitext_sample", f"parallel.tp={tp}",
                               f"parallel.pp={pp}", "parallel.dp=1", f"trainer.global_batch_size={pp}", *sp])
     data = dataclasses.replace(base.data, seq_len=described.cfg.max_positions, sample_tokens=0)
     cfg = dataclasses.replace(base, model=described.cfg, data=data)  # the source's model, checked again

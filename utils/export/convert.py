@@ -174,8 +174,10 @@ def checkpoint_stream(folder: Path, model, vocab_size: int) -> WeightStream:
     shapes = {key.removeprefix("model/"): tuple(m.size) for key, m in metadata.items()
               if key.startswith("model/") and isinstance(m, TensorStorageMetadata)}
 
+    rules = hf.export_rules(model, vocab_size)
+
     def converted(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        return hf.hf_tensors(model, key, tensor, vocab_size)
+        return hf.hf_tensors(model, key, tensor, vocab_size, rules)
 
     def produce(key: str) -> dict[str, torch.Tensor]:
         tensor = torch.empty(shapes[key], dtype=metadata[f"model/{key}"].properties.dtype)
@@ -199,7 +201,7 @@ def import_hf(folder: Path, run_dir: Path, vocab_multiple: int = 64) -> tuple[Pa
     tensors = {f"model/{name}": t for name, t in state.items()}
     meta = {"layout": IMPORTED_HF, "source": str(folder), "vocab_size": config["vocab_size"]}
     step = Checkpointer(run_dir, Grid.serial().world).save(0, tensors, meta)
-    preset = f"{arch}_tiny"
+    preset = hf.spec_of(arch).tiny
     base = load_config([f"model={preset}", "data=wikitext_sample"])[0].model
     extra = [] if vocab_multiple == base.vocab_multiple else [f"model.vocab_multiple={vocab_multiple}"]
     return step, [f"model={preset}", *hf.differences(base, arch, settings), *extra]

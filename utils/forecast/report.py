@@ -70,6 +70,7 @@ def forecast(args) -> dict:
     import contextlib
 
     from utils.comm import Grid
+    from utils.tasks import task_of
     from utils.tasks.forecast import Rollouts, rollout_skill
     from utils.tasks.weather import ForecastEvalConfig, WeatherTaskConfig
 
@@ -83,7 +84,7 @@ def forecast(args) -> dict:
         print(f"reading {args.checkpoint} (from {given})", file=sys.stderr)
     family, model_cfg, data_cfg = load_run(args.checkpoint, "era5", args.data)
     settings = WeatherTaskConfig(eval=ForecastEvalConfig(every=1, steps=args.steps, inits=count))
-    task = family.task(data_cfg, model_cfg, settings, build=family.build)
+    task = task_of(family)(data_cfg, model_cfg, settings, build=family.build)
     try:
         task.load_data()  # the rollouts of --steps from --init initial times: task.eval's, named by our options
     except ConfigError as err:

@@ -234,7 +234,7 @@ def plan_measured(cfg, full: Measured, hw: Hardware, world: int, overrides: list
 
 def microbatches_per_step(cfg) -> int:
     """Backward passes in one optimizer step: grad_accum_steps, times the schedule's microbatches under pp."""
-    from utils.engine.build import pipeline_plan
+    from utils.tasks import pipeline_plan
 
     pp = pipeline_plan(cfg).microbatches if cfg.parallel.pp > 1 else 1
     return cfg.trainer.grad_accum_steps * pp
@@ -243,7 +243,7 @@ def microbatches_per_step(cfg) -> int:
 def pipeline_bubble(cfg) -> float:
     """The idle fraction of a step the pipeline schedule's theory predicts (distributed/pipeline/stage_plan.py);
     0 without pp and for the zero-bubble schedules."""
-    from utils.engine.build import pipeline_plan
+    from utils.tasks import pipeline_plan
 
     return (pipeline_plan(cfg).bubble() or 0.0) if cfg.parallel.pp > 1 else 0.0
 

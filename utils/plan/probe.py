@@ -100,7 +100,7 @@ def probe_stride(cfg) -> int:
     0, no probes, with several stages per rank: the microbatches a rank has in flight then mix stages
     whose saved bytes grow differently with the depth (the embedding's, the head's), so the peak of the
     schedule need not be affine in it."""
-    from utils.engine.build import pipeline_plan
+    from utils.tasks import pipeline_plan
 
     if cfg.parallel.pp == 1:
         return 1

@@ -13,10 +13,14 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from distributed.pipeline.stage_plan import PipelinePlan, resolve_plan
+from networks.spec import ModelSpec
 from utils import ConfigError, require
 from utils.comm import Grid
 from utils.schema import Config
+from utils.tasks.language import LanguageTask
 from utils.tasks.registry import MODELS, spec_of
+from utils.tasks.weather import WeatherTask
 
 
 class Task(Protocol):
@@ -76,6 +80,26 @@ class Task(Protocol):
         """Multi-step forecast skill (every `rollout_every` steps; the weather task, utils/tasks/forecast.py)."""
 
 
+# The workloads a family names (`ModelSpec.task`); a family outside the tree may give its own Task class instead.
+TASKS: dict[str, type] = {"language": LanguageTask, "weather": WeatherTask}
+
+
+def task_of(spec: ModelSpec) -> type:
+    """The Task class a family trains with."""
+    if isinstance(spec.task, type):
+        return spec.task
+    require(spec.task in TASKS, f"the {spec.name} family names task {spec.task!r}", "model.arch",
+            f"give its ModelSpec a task of {', '.join(TASKS)}, or a Task class")
+    return TASKS[spec.task]
+
+
+def pipeline_plan(cfg: Config) -> PipelinePlan:
+    """The pipeline's stages over the family's blocks (`ModelSpec.blocks`), checked (a one-line error)."""
+    par = cfg.parallel
+    blocks = spec_of(cfg.model.arch).blocks(cfg.model)
+    return resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, blocks)
+
+
 # The data presets (config/data/) of each data kind, the ones that need no data first: what a one-line error
 # offers for a model (tests/test_bad_input.py checks them against config/data/).
 DATA_PRESETS = {"wikitext": ("wikitext_sample", "wikitext"), "tokens": ("tokens",),
@@ -84,24 +108,29 @@ DATA_PRESETS = {"wikitext": ("wikitext_sample", "wikitext"), "tokens": ("tokens"
 
 def check_pairing(cfg: Config) -> None:
     """The data fits the model (exit 2 naming the data presets that fit the model, and the models that fit the
-    data), the pipeline computes the task's loss, then the task's own rules."""
+    data), the family's layout rules and its split into pipeline stages, the task's own rules, and the pipeline
+    computes the task's loss."""
     model, data = cfg.model, cfg.data
     spec = spec_of(model.arch)  # each schema checks its own arch tag
-    if data.kind not in spec.task.DATA_SCHEMAS:
+    task = task_of(spec)
+    if data.kind not in task.DATA_SCHEMAS:
         # a model named on the command line meets the default data (ERA5) when data= is left out: the data
         # presets that fit the model come first, the models that fit the data after
-        fits = [s for s in MODELS.values() if data.kind in s.task.DATA_SCHEMAS]
-        presets = [f"data={p}" for kind in spec.task.DATA_SCHEMAS for p in DATA_PRESETS.get(kind, (f"{kind}*",))]
-        owner = fits[0].task if fits else None
+        fits = [s for s in MODELS.values() if data.kind in task_of(s).DATA_SCHEMAS]
+        presets = [f"data={p}" for kind in task.DATA_SCHEMAS for p in DATA_PRESETS.get(kind, (f"{kind}*",))]
+        owner = task_of(fits[0]) if fits else None
         name = f"{owner.DATA_NAME} data" if owner and owner.DATA_KIND == data.kind else f"data of kind {data.kind}"
         other = f" (or, for {name}, {'; '.join(s.presets for s in fits)})" if fits else ""
         raise ConfigError(f"the {spec.name} model does not train on {name}", "data",
                           f"use {' or '.join([', '.join(presets[:-1]), presets[-1]] if len(presets) > 1 else presets)}"
                           + other)
-    require(isinstance(cfg.task, spec.task.TASK_SCHEMA), f"task settings of kind {getattr(cfg.task, 'kind', '?')!r} "
+    require(isinstance(cfg.task, task.TASK_SCHEMA), f"task settings of kind {getattr(cfg.task, 'kind', '?')!r} "
             f"for the {spec.name} model", "task", "leave task as the data preset sets it (config/data/)")
-    spec.task.check_config(cfg)
-    require(cfg.parallel.pp == 1 or spec.task.loss_is_criterion(cfg), f"the {spec.name} task's training loss "
+    spec.check_layout(model, cfg.parallel)
+    if cfg.parallel.pp > 1:
+        pipeline_plan(cfg)
+    task.check_config(cfg)
+    require(cfg.parallel.pp == 1 or task.loss_is_criterion(cfg), f"the {spec.name} task's training loss "
             "under these settings is not criterion(model(x), y), which a pipeline's last stage computes",
             "parallel.pp", "set parallel.pp=1")
 
@@ -109,7 +138,7 @@ def check_pairing(cfg: Config) -> None:
 def build_task(cfg: Config, load_data: bool = True) -> Task:
     """The workload of the configured model family, its data inspected (before any distributed work)."""
     spec = spec_of(cfg.model.arch)
-    task = spec.task(cfg.data, cfg.model, cfg.task, build=spec.build)
+    task = task_of(spec)(cfg.data, cfg.model, cfg.task, build=spec.build)
     if load_data:
         task.load_data()
     return task

@@ -19,6 +19,7 @@ from utils.data.tokens import TokensConfig, load_tokens
 from utils.data.wikitext import WikiTextConfig, load_wikitext
 from utils.schema import Config
 from utils.tasks.generate import greedy_decode
+from utils.tasks.registry import MODELS, spec_of
 
 
 @dataclass
@@ -43,18 +44,15 @@ class LanguageTask:
 
     @staticmethod
     def check_config(cfg: Config) -> None:
-        model, data, cp, tp = cfg.model, cfg.data, cfg.parallel.cp, cfg.parallel.tp
+        model, data, cp = cfg.model, cfg.data, cfg.parallel.cp
         check_seq_len(model, data.seq_len)
-        require(model.kv_heads % tp == 0 or tp % model.kv_heads == 0,
-                f"model.num_kv_heads={model.kv_heads} with parallel.tp={tp}: key/value heads are split over tp when tp "
-                "divides them and kept whole (each rank its queries' group) when they divide tp", "parallel.tp",
-                f"choose a parallel.tp that divides or is a multiple of {model.kv_heads}")
-        require(model.mlp != "swiglu" or model.hidden % tp == 0, f"model.mlp_hidden={model.hidden} is not divisible by "
-                f"parallel.tp={tp} (the gated MLP keeps each unit's gate and up rows on one rank)", "model.mlp_hidden",
-                f"choose a multiple of {tp}")
         require(data.seq_len % (2 * cp) == 0, f"data.seq_len={data.seq_len} is not a multiple of 2 x parallel.cp="
                 f"{2 * cp} (the causal load balance cuts the sequence into 2 x cp equal chunks)", "data.seq_len",
                 f"use a multiple of {2 * cp}")
+        spec = spec_of(model.arch)
+        readers = [s.presets for s in MODELS.values() if s.documents]
+        require(getattr(data, "packing", "concat") == "concat" or spec.documents, f"the {spec.name} model does not "
+                "read packed documents", "data.packing", f"set data.packing=concat, or use {' or '.join(readers)}")
         require(getattr(data, "packing", "concat") == "concat" or not cfg.precision.compile,
                 "packed documents with precision.compile=true (the blocks take the batch's documents, which "
                 "torch.compile would guard on per batch)",
@@ -96,8 +94,6 @@ class LanguageTask:
     def build_model(self) -> nn.Module:
         model = self.build(self.model_cfg, self)
         if getattr(self.cfg, "packing", "concat") == "documents":  # rows carry their documents (networks/documents.py)
-            require(hasattr(model, "read_documents"), f"{type(model).__name__} does not read packed documents",
-                    "data.packing", "set data.packing=concat or use a GPT or Llama model")
             model.documents = self.cfg.attention
         return model
 

@@ -6,8 +6,9 @@ One way in, `add_family(module, ...)`, for every family: a family module (or any
     PRESETS = {"toy_tiny": ToyConfig}       # optional: `model=` presets, each its schema (the dataclass) or an
                                             # instance of it, stored in Hydra's ConfigStore group `model`
 
-and nothing happens when it is imported: the registry reads it. The built-in families (vit, gpt, llama) are
-this module's own FAMILIES (their presets are config/model/*.yaml). The others are found, not listed here:
+and nothing happens when it is imported: the registry reads it. The built-in families are the folders of
+networks/families/, found by a scan of that package (their presets are config/model/*.yaml). The others are found
+too, not listed here:
 `discover()` adds the families of installed distributions' entry points of group `dlscale.families`
 (`[project.entry-points."dlscale.families"] toy = "mypkg.family"`) and of the modules DLSCALE_FAMILIES names
 (`DLSCALE_FAMILIES=tests.toy_family python train.py model=toy_tiny data=wikitext_sample`, comma-separated, for
@@ -27,16 +28,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import pkgutil
 import re
-import sys
 from collections.abc import Mapping
 
+import networks.families
 from networks.spec import ModelSpec
-from networks.transformer import GPT, GPTConfig, LlamaConfig
-from networks.vit import ViT, ViTConfig
 from utils import ConfigError, require
-from utils.tasks.language import LanguageTask
-from utils.tasks.weather import WeatherTask
 
 ENV = "DLSCALE_FAMILIES"  # comma-separated importable family modules
 GROUP = "dlscale.families"  # the entry-point group of installed families
@@ -160,22 +158,15 @@ def _first_line(err: Exception) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def _vit(cfg: ViTConfig, task: WeatherTask) -> ViT:
-    channels = len(task.cfg.channels)
-    return ViT(cfg, tuple(task.cfg.img_size), channels, channels)
+def _scan() -> tuple[str, ...]:
+    """Add the built-in families: each folder of networks/families/ (a package scan, nothing listed)."""
+    archs = []
+    for info in sorted(pkgutil.iter_modules(networks.families.__path__), key=lambda i: i.name):
+        if info.ispkg:
+            module = importlib.import_module(f"{networks.families.__name__}.{info.name}")
+            archs += [spec.arch for spec in add_family(module, f"networks/families/{info.name}/",
+                                                       "the built-in families")]
+    return tuple(archs)
 
 
-def _decoder(cfg: GPTConfig, task: LanguageTask) -> GPT:
-    return GPT(cfg, task.vocab_size)
-
-
-# The built-in families, through the same contract as every other (their presets: config/model/*.yaml).
-FAMILIES = (
-    ModelSpec("vit", "ViT", ViTConfig, "model=vit_tiny, vit_base or vit_large", WeatherTask, _vit),
-    ModelSpec("gpt", "GPT", GPTConfig, "model=gpt_tiny, gpt_small or gpt_medium", LanguageTask, _decoder,
-              hf_model_types=("gpt2",)),
-    ModelSpec("llama", "Llama", LlamaConfig, "model=llama_tiny, llama_1b or llama_8b", LanguageTask, _decoder,
-              hf_model_types=("llama",)),
-)
-BUILT_IN = tuple(spec.arch for spec in add_family(sys.modules[__name__], "utils/tasks/registry.py",
-                                                   "the built-in families"))
+BUILT_IN = _scan()  # the archs of networks/families/ (the combination matrix's families)

@@ -136,6 +136,14 @@ class ViT(nn.Module):
         x = self.exit_seq(self.norm(x))  # (B, N, D)
         return self.unpatchify(self.gather_out(self.head(x)))
 
+    def stage_shape(self, batch: int, tokens: int) -> tuple[int, ...]:
+        """The activation between pipeline stages for `tokens` patches on this rank: (B, N_local, D)."""
+        return batch, tokens, self.cfg.embed_dim
+
+    def attention_layers(self) -> tuple[int, int, bool]:
+        """(layers, width, causal) of its attention, for the FLOPs' attention term: every block, not causal."""
+        return self.cfg.depth, self.cfg.embed_dim, False
+
     def matmul_params(self) -> int:
         """Weights that take part in matrix multiplies (for the FLOP model): all but norms, biases, pos."""
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
