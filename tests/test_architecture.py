@@ -178,19 +178,18 @@ def test_the_circle_finder_finds_circles():
 # The layers, bottom first (docs/architecture.md "Layers" states the same table). A module may import modules of
 # its own layer and of the layers below, never of a layer above. A module belongs to the longest entry that is
 # its name or a dotted prefix of it: `utils` alone is the package's own __init__.py (and any new module placed
-# in utils/ itself, until it is given a line); `distributed.pipeline.stage_plan` sits below the rest of its folder.
+# in utils/ itself, until it is given a line). Every file sits in its folder's layer: no entry moves a module of
+# a placed package to another layer (`test_every_file_sits_in_its_folders_layer`).
 LAYERS = (
-    ("base", ("utils", "utils.schema", "utils.launch_env", "utils.signals", "utils.startup",
-              "distributed.pipeline.stage_plan")),
+    ("base", ("utils", "utils.schema", "utils.launch_env", "utils.signals", "utils.startup")),
     ("models", ("networks",)),
-    ("grid", ("utils.comm", "distributed.timeouts")),
+    ("grid", ("utils.comm",)),
     ("parallel", ("distributed",)),
     ("data", ("utils.data",)),
     ("workloads", ("utils.tasks", "utils.checkpoints")),
     ("engine", ("utils.engine",)),
     ("command line", ("utils.cli",)),
-    # utils.checkpoints.export: export's former name
-    ("tools", ("utils.checkpoints.export", "utils.plan", "utils.bench", "utils.doctor",
+    ("tools", ("utils.plan", "utils.bench", "utils.doctor",
                "utils.compare", "utils.forecast", "utils.export", "utils.generate", "utils.evaluate")),
     ("scripts", ("train", "train_mp")),
 )
@@ -235,8 +234,18 @@ def test_the_layer_check_finds_upward_imports():
     assert upward_imports(imports, files) == [
         "elsewhere.py: elsewhere is in no layer (add it to LAYERS and docs/architecture.md)",
         "utils/comm.py:3: utils.comm (grid) imports utils.cli.launch (command line), a layer above"]
-    assert layer_of("distributed.pipeline.stage_plan") == 0 and layer_of("distributed.pipeline.stages") == 3
+    assert layer_of("distributed.pipeline.stage_plan") == 3 == layer_of("distributed.pipeline.stages")
     assert layer_of("utils") == 0 and layer_of("utils.cli.runs") == 7
+
+
+def test_every_file_sits_in_its_folders_layer():
+    """A folder is one layer, as a reader of the tree takes it: an entry inside a placed package (other than the
+    package `utils` itself, whose own modules are the base) is in that package's layer."""
+    moved = [f"{prefix} ({LAYERS[layer_of(prefix)][0]}) inside {parent} ({LAYERS[layer_of(parent)][0]})"
+             for _, prefixes in LAYERS for prefix in prefixes
+             for parent in [".".join(prefix.split(".")[:n]) for n in range(1, prefix.count(".") + 1)]
+             if parent != "utils" and any(parent in p for _, p in LAYERS) and layer_of(parent) != layer_of(prefix)]
+    assert not moved, "modules placed in another layer than their folder's:\n" + "\n".join(moved)
 
 
 def documented_layers() -> list[tuple[str, tuple[str, ...]]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def test_transformers_reads_the_run_s_tokenizer(exported):
 
 
 def test_transformers_greedy_generation_equals_utils_generate(exported):
-    from utils.generate.command import load_hf
+    from utils.generate.command import load
     from utils.tasks.sampling import Sampling, sample
 
     _, step, folder, tokenizer = exported
@@ -93,7 +94,7 @@ def test_transformers_greedy_generation_equals_utils_generate(exported):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    source = load_hf(folder, None, "cpu")  # what `utils.generate FOLDER` samples from
+    source = load(SimpleNamespace(source=folder, data=[], tokenizer=None, device="cpu"))[0]  # `utils.generate FOLDER`
     assert source.eos_id == tokenizer.eos_id
     ours = sample(source.model, [prompt], 12, Sampling(temperature=0.0), eos_id=source.eos_id)[0]
     assert ours == theirs and len(theirs) >= 1

@@ -1,5 +1,5 @@
 """`python -m utils.generate` launched on several ranks: sampling under tensor parallelism (utils/tasks/sampling.py
-`sample(tp=...)`, the model built by utils/evaluate/sharded.py).
+`sample(tp=...)`, the model built by utils/engine/session.py).
 
 - tp2 on 2 gloo ranks, KV cache on, a padded batch: the logits each token is chosen from equal one process's
   (fp32, 1e-5) and the greedy tokens are identical, for a tiny GPT (learned positions, tied head) and a tiny Llama
@@ -24,7 +24,7 @@ from utils.checkpoints.hf import from_project, hf_config
 from utils.checkpoints.hf_stream import write_folder
 from utils.cli.config import load_config
 from utils.data.tokenizers import PretrainedTokenizer
-from utils.generate.command import load_hf
+from utils.engine.session import open_model
 from utils.tasks.sampling import GREEDY, Sampling, sample
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -65,14 +65,14 @@ def command(folder: Path, *extra: str) -> list[str]:
 
 def _sample_on_rank(rank: int, world: int, folder: str, out: str) -> None:
     from utils.comm import Axis
-    from utils.evaluate.sharded import sharded_model
-    from utils.generate.command import describe_hf, main
+    from utils.engine.session import open_model
+    from utils.generate.command import main
 
-    described = describe_hf(Path(folder), None)
-    model, grid = sharded_model(described, Path(folder), tp=world, pp=1, sequence_parallel=False)
+    tokenizer = PretrainedTokenizer.load(folder)
+    model, grid = open_model(Path(folder), "DIR", kind="wikitext").sharded(tp=world, pp=1, sequence_parallel=False)
     assert model.lm_head.weight.shape[0] < model.padded_vocab  # this rank's vocabulary columns only
-    greedy = sampled(model, described.tokenizer, GREEDY, grid.axis(Axis.TP))
-    warm = sampled(model, described.tokenizer, WARM, grid.axis(Axis.TP))
+    greedy = sampled(model, tokenizer, GREEDY, grid.axis(Axis.TP))
+    warm = sampled(model, tokenizer, WARM, grid.axis(Axis.TP))
     printed, logged = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(logged):
         assert main(command(Path(folder), "--temperature", "0")) == 0
@@ -85,7 +85,7 @@ def _sample_on_rank(rank: int, world: int, folder: str, out: str) -> None:
 def test_tp2_samples_as_one_process(tmp_path, preset):
     folder = hf_folder(tmp_path, preset)
     tokenizer = PretrainedTokenizer.load(str(folder))
-    alone = load_hf(folder, None, "cpu").model
+    alone = open_model(folder, "DIR", kind="wikitext").serial("cpu")
     want_greedy, want_warm = sampled(alone, tokenizer, GREEDY), sampled(alone, tokenizer, WARM)
     code, want_text, _ = run_main("utils.generate.command", *command(folder, "--temperature", "0"))
     assert code == 0

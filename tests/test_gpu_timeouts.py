@@ -13,9 +13,9 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from distributed.timeouts import WATCHDOG_MARGIN_S, group_timeouts, set_group_timeouts, watchdog_safe_timeout
 from tests.helpers import run_ranks
 from utils.comm import init_grid
+from utils.comm.timeouts import WATCHDOG_MARGIN_S, group_timeouts, set_group_timeouts, watchdog_safe_timeout
 from utils.engine.watchdog import StepWatchdog
 from utils.schema import ParallelConfig
 

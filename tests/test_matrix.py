@@ -257,9 +257,8 @@ def test_the_factors_hold_every_value_the_config_accepts():
     variants, the precisions (tf32 is fp32 on a CPU: torch's TF32 switches act on CUDA matmuls only) and the
     model families (the registry's built-in ones, each with its settings; a family found by DLSCALE_FAMILIES or an
     entry point, as the tests' toy family, is not the tree's: tests/test_toy_family.py runs it)."""
-    from distributed.pipeline.stage_plan import SCHEDULES
     from tests.matrix import FACTORS
-    from utils.schema import CP_VARIANTS
+    from utils.schema import CP_VARIANTS, SCHEDULES
     from utils.schema import PRECISION_MODES as MODES
     from utils.tasks.registry import BUILT_IN, MODELS, ORIGINS
 

@@ -110,15 +110,16 @@ def test_the_planner_predicts_each_ranks_host_memory(tmp_path, era5_root, layout
 
 def test_a_checkpoint_is_read_tensor_by_tensor(tmp_path, monkeypatch):
     """read_full gives back what was written (keys, dtypes, values), reading one tensor per dcp.load and only
-    when asked (utils/checkpoints/sharded_state.py iter_full); the forecast command's load_weights fills a model
-    as load_state_dict of the whole read did, reading no optimizer entry, and refuses another model."""
+    when asked (utils/checkpoints/sharded_state.py iter_full); a tool opening the checkpoint (utils/engine/session.py
+    `checkpoint_state`, then `assign`) reads the model's entries and no optimizer entry, gives the model those
+    values, and refuses another model."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
     from utils import ConfigError
     from utils.checkpoints.sharded_state import iter_full, read_full, write_full
-    from utils.forecast.report import load_weights
+    from utils.engine.session import assign, checkpoint_state
 
     def model(width: int, seed: int) -> nn.Module:
         torch.manual_seed(seed)
@@ -139,12 +140,12 @@ def test_a_checkpoint_is_read_tensor_by_tensor(tmp_path, monkeypatch):
         assert full[key].dtype == tensor.dtype and torch.equal(full[key], tensor), key
     fresh, loads[:] = model(7, 1), []
     assert not torch.equal(fresh[0].weight, written["model/0.weight"])
-    load_weights(fresh, folder)
+    assign(fresh, checkpoint_state(folder, fresh))
     assert sorted(k for keys in loads for k in keys) == sorted(k for k in written if k.startswith("model/"))
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, written[f"model/{name}"]), name
     with pytest.raises(ConfigError, match="holds another model"):
-        load_weights(model(8, 0), folder)
+        checkpoint_state(folder, model(8, 0))
 
 
 FREED_BLOCKS = """

@@ -16,7 +16,7 @@ import torch
 
 from distributed.grad_norm import grad_norm
 from distributed.pipeline.schedule import Pipeline, PipelineForward
-from distributed.pipeline.stage_plan import SCHEDULES, block_split, bubble_fraction, resolve_plan
+from distributed.pipeline.stage_plan import block_split, bubble_fraction, resolve_plan
 from distributed.pipeline.stages import cut_for_rank
 from distributed.pipeline.torch_stages import build_stages
 from networks.families.vit.model import ViT, ViTConfig
@@ -25,7 +25,7 @@ from tests.helpers import run_ranks
 from utils import ConfigError
 from utils.cli.config import load_config
 from utils.comm import Axis, init_grid
-from utils.schema import ParallelConfig
+from utils.schema import SCHEDULES, ParallelConfig
 
 EMBED, BATCH, SEQ, VOCAB, MICRO, DEPTH = 32, 8, 16, 50, 8, 8
 

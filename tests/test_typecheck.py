@@ -1,6 +1,6 @@
-"""SPMD types, the second oracle (distributed/spmd_typing.py, tests/typecheck.py): one training step per layout in
-one process on a fake group, typed; the plants the types catch alone. `python -m tests.typecheck` checks every
-layout of the covering set and `--plants` every plant (docs/testing.md, "SPMD types: the second oracle")."""
+"""SPMD types, the second oracle (distributed/typecheck/spmd_typing.py, tests/typecheck.py): one training step
+per layout in one process on a fake group, typed; the plants the types catch alone. `python -m tests.typecheck`
+checks every layout of the covering set and `--plants` every plant (docs/testing.md, "SPMD types: the second oracle")."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_checking_is_off_by_default_and_undone_on_exit():
     """A normal run neither imports spmd-types nor sees the rules; `checking` removes every patch at exit."""
     import subprocess
 
-    probe = ("import sys, distributed.mappings, distributed.spmd_typing, distributed.tensor.layers, "
+    probe = ("import sys, distributed.mappings, distributed.typecheck.spmd_typing, distributed.tensor.layers, "
              "distributed.context.attention; print('spmd_types' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=typecheck.ROOT,
                           check=True).stdout.strip() == "False"

@@ -3,8 +3,9 @@
 Type-checks ONE training step (forward, backward, gradient sync) of every layout of the matrix's covering set
 (tests/matrix.py, tests/data/matrix_cases.json) in this one process: rank 0 (and `--rank`) of a fake process group
 of the case's world size, the model built as the trainer builds it (utils/engine/build.py through
-utils/plan/step.py's fake world), tiny batch, real values. The types are distributed/spmd_typing.py's (meta-pytorch's
-spmd-types); a case passes, fails with the SpmdTypeError and where it arose, or is skipped with the reason.
+utils/plan/step.py's fake world), tiny batch, real values. The types are distributed/typecheck/spmd_typing.py's
+(meta-pytorch's spmd-types); a case passes, fails with the SpmdTypeError and where it arose, or is skipped with
+the reason.
 
 `--plants`: each plant of tests/planted_bugs.py (or those named) is applied to a copy of the tree by the harness's
 own `copy_tree`/`plant`, and this module runs there on the plant's target layouts: a plant is caught when a target
@@ -70,7 +71,7 @@ def check_case(case, rank: int = 0) -> Verdict:
 
     import torch
 
-    from distributed import spmd_typing
+    from distributed.typecheck import spmd_typing
     from utils.cli.config import load_config
     from utils.comm import init_grid
     from utils.engine.build import build_trainer
@@ -131,7 +132,7 @@ class TypedModel:
     parameter's gradient is P (a pending sum) until `sum_grads` reduces it over that axis."""
 
     def __init__(self, session, model):
-        from distributed import spmd_typing as st
+        from distributed.typecheck import spmd_typing as st
 
         self.st, self.session, self.model = st, session, model
         self.types, self.partial = {}, {}

@@ -16,13 +16,26 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from distributed.pipeline.stage_plan import SCHEDULES, SPLIT_BACKWARD
 from utils import require
 
 AXIS_NAMES = ("tp", "cp", "dp", "pp")  # the grid's axes (utils/comm/__init__.py `Axis`), in default order
 CP_VARIANTS = ("ring", "allgather", "alltoall", "hierarchical")  # parallel.cp_attention: distributed/context/
 PRECISION_MODES = ("fp32", "tf32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw")
+# The pipeline schedules parallel.pp_schedule chooses from: name -> (torch.distributed.pipelining's class, the
+# placement of its stages: one per rank, a loop of several, or a V of two); distributed/pipeline/ runs them.
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+}
+# Schedules that split backward into input and weight gradients; torch refuses compiled stages there.
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
+
 LR_SCHEDULES = ("cosine", "constant")
 WORKER_STARTS = ("forkserver", "spawn", "fork")  # multiprocessing start methods for data workers
 MISSING = "???"  # a required value (OmegaConf's MISSING): config/ files fill it

@@ -28,10 +28,11 @@ from torch.distributed.tensor import DTensor
 
 from distributed.collectives import all_reduce_, broadcast_, recv, send
 from distributed.data_parallel import sum_grads
-from distributed.pipeline.stage_plan import SCHEDULES, PipelinePlan
+from distributed.pipeline.stage_plan import PipelinePlan
 from distributed.pipeline.stages import StageModule
 from utils import ConfigError
 from utils.comm import Axis, Grid
+from utils.schema import SCHEDULES
 
 if TYPE_CHECKING:
     from distributed.pipeline.torch_stages import CountedStage

@@ -2,9 +2,10 @@
 
 Pure arithmetic on the settings (no processes), shared by the config checks, the layout command and
 the stage builder (`distributed/pipeline/stages.py`):
-- `SCHEDULES`: our names of torch.distributed.pipelining's schedules, their class and their placement
-  style: one stage per rank ('single'), v stages per rank in a loop (stage s on pp rank s % p), or two
-  stages per rank in a V (rank r holds stages r and 2p-1-r, so the first and last stage share rank 0);
+- `SCHEDULES` (utils/schema.py: the choices of parallel.pp_schedule): our names of torch.distributed.pipelining's
+  schedules, their class and their placement style: one stage per rank ('single'), v stages per rank in a loop
+  (stage s on pp rank s % p), or two stages per rank in a V (rank r holds stages r and 2p-1-r, so the first and
+  last stage share rank 0);
 - `block_split(depth, stages)`: contiguous blocks per stage; when depth is not a multiple of the stage
   count, the first depth % stages stages hold one block more (the stated rule for uneven splits);
 - `check_pipeline`: the settings torch's schedules would reject, as one-line errors before any work;
@@ -17,19 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from utils import require
-
-# name -> (torch.distributed.pipelining class, placement style)
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "single"),
-    "1f1b": ("Schedule1F1B", "single"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
-    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
-    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "v"),
-    "dualpipev": ("ScheduleDualPipeV", "v"),
-}
-# Schedules that split backward into input and weight gradients; torch refuses compiled stages there.
-SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
+from utils.schema import SCHEDULES, SPLIT_BACKWARD  # the choices of parallel.pp_schedule
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distributed.timeouts import set_group_timeouts
 from utils import ConfigError, require
+from utils.comm.timeouts import set_group_timeouts
 from utils.launch_env import LaunchEnv, launch_env, pick_device
 from utils.schema import AXIS_NAMES, ParallelConfig, order_names
 
@@ -302,7 +302,7 @@ def init_grid(cfg: ParallelConfig, sizes: dict[Axis, int] | None = None) -> Grid
     if cfg.cp_attention == "hierarchical" and sizes[Axis.CP] > 1:
         grid.cp_hierarchy = _cp_hierarchy(grid, cfg.cp_a2a)
     grid.frozen = True
-    set_group_timeouts(cfg.init_timeout_s)  # every group, the mesh's and new_group's too (distributed/timeouts.py)
+    set_group_timeouts(cfg.init_timeout_s)  # every group, the mesh's and new_group's too (utils/comm/timeouts.py)
     return grid
 
 

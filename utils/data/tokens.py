@@ -23,30 +23,24 @@ from torch.utils.data import Dataset
 
 from networks.documents import pack_ids
 from utils import ConfigError, require
-from utils.data.packing import check_packing
 from utils.data.shards import Index, ShardStream, check_shards, document_starts, held_out_split, read_index
+from utils.data.text import TextSource
 from utils.data.tokenizers import PretrainedTokenizer
-from utils.data.wikitext import LMBlockDataset, check_rows
+from utils.data.wikitext import LMBlockDataset
 
 VERIFY = ("checksum", "size")
 UNIGRAM_TOKENS = 1 << 24  # tokens of each split the unigram baseline reads (a corpus may exceed memory)
 
 
 @dataclass
-class TokensConfig:
-    """Schema of `data=tokens`: a folder of pre-tokenized shards and how it is cut into samples."""
+class TokensConfig(TextSource):
+    """Schema of `data=tokens`: a folder of pre-tokenized shards (the rows: `TextSource`'s settings)."""
 
     kind: str = "tokens"  # data family tag (fixed by the preset)
     root: str | None = None  # the folder `python -m utils.data.prepare --out` wrote (index.json, shards)
-    seq_len: int = 128  # tokens per sample (the model's context); must be <= model.max_positions
     valid_fraction: float = 0.01  # documents held out for validation (the last of each shard, in proportion)
     resident_mib: int = 64  # MiB of shard pages a stream's mappings may hold resident per process (then remapped)
     verify: str = "checksum"  # checksum: sha256 of every shard at start (reads the corpus) | size: file sizes only
-    limit_train_tokens: int | None = None  # use only the first N training tokens (None = all)
-    limit_eval_tokens: int | None = None  # use only the first N validation tokens (None = all)
-    sample_tokens: int = 24  # greedy tokens per fixed prompt that each validation writes to TensorBoard (0: none)
-    packing: str = "concat"  # concat | documents: rows cut from one stream, their document starts flagged or not
-    attention: str = "causal"  # causal | document: over the whole row, or inside each document (packing=documents)
 
     def __post_init__(self):
         require(self.kind == "tokens", f"kind {self.kind!r} is not tokens", "data.kind",
@@ -55,10 +49,19 @@ class TokensConfig:
                 "data.valid_fraction", "hold out a fraction of the documents, e.g. 0.01")
         require(self.verify in VERIFY, f"unknown verify {self.verify!r}", "data.verify",
                 f"choose {' or '.join(VERIFY)}")
-        check_packing(self.packing, self.attention)
         require(self.resident_mib > 0, f"resident_mib must be positive, got {self.resident_mib}", "data.resident_mib",
                 "give the MiB of mapped shard pages a reader may hold, e.g. 64")
-        check_rows(self)
+        super().__post_init__()
+
+    def open(self) -> TokensCorpus:
+        return load_tokens(self)
+
+    def trained_tokenizer(self) -> PretrainedTokenizer:
+        """The tokenizer the shards were made with (its copy in root)."""
+        try:
+            return PretrainedTokenizer.load(self.tokenizer)
+        except ConfigError as err:
+            raise ConfigError(err.what, "data.root", "give the run's shard folder: data.root=DIR") from None
 
     @property
     def tokenizer(self) -> str:

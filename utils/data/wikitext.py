@@ -36,7 +36,8 @@ from torch.utils.data import Dataset
 from utils import ConfigError, require
 from utils.data.cache import cache_folders, cached
 from utils.data.corpus import ensure_sample_corpus
-from utils.data.packing import PackedDocumentDataset, check_packing, document_starts
+from utils.data.packing import PackedDocumentDataset, document_starts
+from utils.data.text import TextSource
 from utils.data.tokenizers import (
     AnyTokenizer,
     BPETokenizer,
@@ -54,8 +55,8 @@ Split = Literal["train", "valid", "test"]
 
 
 @dataclass
-class WikiTextConfig:
-    """Schema of `data=wikitext*`: where the corpus is, how it is tokenized and cut into samples.
+class WikiTextConfig(TextSource):
+    """Schema of `data=wikitext*`: where the corpus is, how it is tokenized (the rows: `TextSource`'s settings).
 
     Choices are plain `str` fields (OmegaConf structured configs do not support Literal) checked here.
     """
@@ -67,13 +68,7 @@ class WikiTextConfig:
     raw: bool = False  # read the *-raw variant (wiki.*.raw, original text) instead of wiki.*.tokens
     tokenizer: str = "word"  # word | bpe | PATH: word-level, BPE trained on train, or a folder's tokenizer.json
     bpe_vocab_size: int = 8192  # BPE vocabulary size in tokens, special tokens included
-    seq_len: int = 128  # tokens per sample (the model's context); must be <= model.max_positions
-    limit_train_tokens: int | None = None  # use only the first N training tokens (None = all)
-    limit_eval_tokens: int | None = None  # use only the first N validation/test tokens (None = all)
     cache_dir: str | None = None  # cache for tokenizer and ids when the data folder is read-only (None = user cache)
-    sample_tokens: int = 24  # greedy tokens per fixed prompt that each validation writes to TensorBoard (0: none)
-    packing: str = "concat"  # concat | documents: rows cut from one stream or of whole articles (utils/data/packing.py)
-    attention: str = "causal"  # causal | document: over the whole row, or inside each document (packing=documents)
 
     def __post_init__(self):
         require(self.kind == "wikitext", f"kind {self.kind!r} is not wikitext", "data.kind",
@@ -86,21 +81,18 @@ class WikiTextConfig:
             pretrained_file(self.tokenizer)  # a path: it must exist now, not after the corpus is read
         require(260 <= self.bpe_vocab_size <= 1_000_000, f"bpe_vocab_size {self.bpe_vocab_size} out of range",
                 "data.bpe_vocab_size", "use 260 (256 bytes + specials) to 1000000 tokens, e.g. 8192")
-        check_packing(self.packing, self.attention)
-        check_rows(self)
+        super().__post_init__()
 
+    def open(self) -> WikiTextCorpus:
+        return load_wikitext(self)
 
-def check_rows(cfg) -> None:
-    """The row settings every language-model data source shares (WikiTextConfig, TokensConfig): seq_len,
-    sample_tokens and the token limits of each split."""
-    require(cfg.seq_len > 0, f"seq_len must be positive, got {cfg.seq_len}", "data.seq_len",
-            "set a positive number of tokens")
-    require(cfg.sample_tokens >= 0, f"sample_tokens must be >= 0, got {cfg.sample_tokens}", "data.sample_tokens",
-            "set 0 (no continuations) or the number of tokens to generate per prompt")
-    for name in ("limit_train_tokens", "limit_eval_tokens"):
-        value = getattr(cfg, name)
-        require(value is None or value > cfg.seq_len, f"{name} {value} leaves no block of seq_len tokens",
-                f"data.{name}", f"set null or more than data.seq_len={cfg.seq_len} tokens")
+    def trained_tokenizer(self) -> AnyTokenizer:
+        """The word or BPE vocabulary trained on the corpus (found in its cache, as training read it), or the
+        tokenizer folder `data.tokenizer` names."""
+        if self.tokenizer not in TOKENIZERS:
+            return PretrainedTokenizer.load(self.tokenizer)
+        folder, sources = locate(self)
+        return load_tokenizer(self, sources["train"], cache_folders(folder, self.cache_dir))[0]
 
 
 # ---------------------------------------------------------------------------------------------- files

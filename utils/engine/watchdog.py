@@ -11,7 +11,7 @@ the other ranks, the stopped one included.
 For the stacks to be written the step watchdog must fire before the backend's own: NCCL's watchdog thread
 aborts a collective that outlives its group's timeout and kills the process without a stack. While the loop
 runs, every process group's timeout is raised to `trainer.hang_timeout_s` + 120 s
-(distributed/timeouts.py `watchdog_safe_timeout`) and put back (`parallel.init_timeout_s`) after it.
+(utils/comm/timeouts.py `watchdog_safe_timeout`) and put back (`parallel.init_timeout_s`) after it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from distributed.timeouts import restore_group_timeouts, set_group_timeouts, watchdog_safe_timeout
+from utils.comm.timeouts import restore_group_timeouts, set_group_timeouts, watchdog_safe_timeout
 
 EXIT_HANG = 77
 

@@ -8,10 +8,10 @@
 The items' format is utils/evaluate/items.py's (one JSON object a line: context, choices, answer); the scoring
 utils/evaluate/scoring.py's (each choice's log-likelihood given the context, summed or normalized by tokens or
 bytes). A run directory, its checkpoints/ or checkpoints/latest stands for the step folder it names (the newest
-complete one; the step taken is printed on stderr). In one process the source is read as `python -m
-utils.generate` reads it (utils/generate/command.py: the run's model settings and tokenizer, every shard of any
-layout); launched on several ranks, the model is built tensor and pipeline parallel as training builds it
-(utils/evaluate/sharded.py), tp x pp = the ranks.
+complete one; the step taken is printed on stderr). The source is opened as every tool opens a model
+(utils/engine/session.py): in one process, the run's model settings and tokenizer (as `python -m utils.generate`
+reads them) and every shard of any layout; launched on several ranks, built tensor and pipeline parallel as
+training builds it (`Opened.sharded`), tp x pp = the ranks.
 Prints the accuracy with its standard error (rank 0); `--output FILE` writes it and every item's scores and
 prediction as JSON. Bad input (a missing folder, a bad line of the items: its number and what is wrong, ...):
 one line on stderr, exit 2, before any work.
@@ -30,8 +30,8 @@ import torch
 from utils import ConfigError, exit_bad_input, require
 from utils.evaluate.items import build_requests, read_items
 from utils.evaluate.scoring import NORMALIZE, choice_scores, log_likelihoods, summarize
-from utils.evaluate.sharded import ranks_of_launch, sharded_model
-from utils.generate.command import describe_source, load_source, take_source
+from utils.generate.command import open_source
+from utils.launch_env import launch_env
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,21 +56,22 @@ def parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     require(args.batch > 0, f"--batch {args.batch}", "--batch", "give a positive number of sequences")
     require(args.pp > 0 and args.tp >= 0, f"--tp {args.tp} --pp {args.pp}", "--tp", "give positive degrees")
-    require(ranks_of_launch() > 1 or args.tp <= 1 and args.pp == 1, f"--tp {args.tp} --pp {args.pp} in one process",
-            "--tp", "launch the ranks with torchrun --nproc-per-node N -m utils.evaluate ...")
+    require(launch_env().world_size > 1 or args.tp <= 1 and args.pp == 1,
+            f"--tp {args.tp} --pp {args.pp} in one process", "--tp",
+            "launch the ranks with torchrun --nproc-per-node N -m utils.evaluate ...")
 
 
 def load(args):
     """(model, tokenizer, device, width multiple, whether this rank prints): one process or this rank's part."""
-    world = ranks_of_launch()
-    take_source(args)
+    world = launch_env().world_size
+    opened, tokenizer = open_source(args)
     if world == 1:
-        source = load_source(args)
-        return source.model, source.tokenizer, torch.device(args.device), 1, True
-    described = describe_source(args)
+        return opened.serial(args.device), tokenizer, torch.device(args.device), 1, True
     tp = args.tp or world // args.pp
-    model, grid = sharded_model(described, args.source, tp=tp, pp=args.pp)
-    return model, described.tokenizer, grid.device, tp, grid.is_main
+    require(tp * args.pp == world, f"--tp {tp} x --pp {args.pp} is not the launch's {world} ranks", "--tp",
+            f"give --tp and --pp whose product is {world}")
+    model, grid = opened.sharded(tp=tp, pp=args.pp)
+    return model, tokenizer, grid.device, tp, grid.is_main
 
 
 def main(argv: list[str] | None = None) -> int:

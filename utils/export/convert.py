@@ -41,13 +41,10 @@ from utils import ConfigError, exit_bad_input, require
 from utils.checkpoints import hf
 from utils.checkpoints.checkpointer import Checkpointer
 from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_folder
-from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts, resolve_step
+from utils.checkpoints.run_dir import resolve_step
 from utils.checkpoints.sharded_state import SafeReader, iter_full
 from utils.comm import Grid
-from utils.data.cache import cache_folders
-from utils.data.tokenizers import AnyTokenizer, PretrainedTokenizer, hf_files, load_file, special_ids
-from utils.data.tokens import TokensConfig
-from utils.data.wikitext import load_tokenizer, locate
+from utils.data.tokenizers import AnyTokenizer, hf_files, load_file, special_ids
 
 IMPORTED = "imported from a single-process file"  # the `layout` an imported checkpoint records
 IMPORTED_HF = "imported from a Hugging Face folder"
@@ -128,10 +125,12 @@ def export_hf(folder: Path, out: Path, tokenizer: Path | None = None, shard_byte
     Streamed: the checkpoint is read one tensor at a time and written a shard (at most `shard_bytes`) at a time
     (utils/checkpoints/hf_stream.py); peak memory is one shard's converted tensors and the tensor being
     converted, never the whole model."""
-    _, model, data = load_run(folder, "wikitext")
+    from utils.engine.session import open_model
+
     require(Checkpointer(folder.parent.parent, Grid.serial().world).is_complete(folder),
             f"{folder} is not a complete checkpoint", "CHECKPOINT", "give a step_* folder that holds a COMPLETE marker")
-    vocab = (read_facts(folder.parent.parent, TASK_FILE) or {}).get("vocab_size")
+    opened = open_model(folder, "CHECKPOINT", kind="wikitext", hf_folders=False)
+    model, data, vocab = opened.model_cfg, opened.data_cfg, opened.vocab
     require(vocab is not None, f"{folder.parent.parent} records no vocabulary size (task.json, written since the "
             "Hugging Face export)", "CHECKPOINT", "resume the run for one step with this version, then export")
     tok = run_tokenizer(data, tokenizer)
@@ -156,12 +155,11 @@ def run_tokenizer(data, tokenizer: Path | None) -> AnyTokenizer:
             return load_file(str(tokenizer))
         except ConfigError as err:
             raise ConfigError(err.what, "--tokenizer", err.fix) from None
-    if isinstance(data, TokensConfig) or data.tokenizer not in ("word", "bpe"):
-        return PretrainedTokenizer.load(data.tokenizer)
     try:
-        folder, sources = locate(data)
-        return load_tokenizer(data, sources["train"], cache_folders(folder, data.cache_dir))[0]
+        return data.trained_tokenizer()  # a text source's (utils/data/text.py)
     except ConfigError as err:
+        if data.kind == "tokens" or data.tokenizer not in ("word", "bpe"):
+            raise
         raise ConfigError(f"the run's {data.tokenizer} tokenizer cannot be read: {err.what}", "--tokenizer",
                           f"give its cached file (tokenizer-{data.tokenizer}*.json beside the corpus), or "
                           "put the corpus back where the run read it") from None

@@ -39,7 +39,6 @@ import sys
 from pathlib import Path
 
 from utils import ConfigError, exit_bad_input, require
-from utils.checkpoints.run_dir import load_run, resolve_step
 
 
 def parse_args(argv: list[str] | None):
@@ -70,7 +69,7 @@ def forecast(args) -> dict:
     import contextlib
 
     from utils.comm import Grid
-    from utils.tasks import task_of
+    from utils.engine.session import open_model
     from utils.tasks.forecast import Rollouts, rollout_skill
     from utils.tasks.weather import ForecastEvalConfig, WeatherTaskConfig
 
@@ -79,12 +78,11 @@ def forecast(args) -> dict:
             f"bad --steps {args.steps} or --init {args.init!r}", "--steps/--init",
             "give a positive step count, and a positive count of initial times or their indices (0,12,24)")
     count = len(times) if times else int(args.init)
-    given, args.checkpoint = args.checkpoint, resolve_step(args.checkpoint, "CHECKPOINT")
-    if args.checkpoint != given:
-        print(f"reading {args.checkpoint} (from {given})", file=sys.stderr)
-    family, model_cfg, data_cfg = load_run(args.checkpoint, "era5", args.data)
-    settings = WeatherTaskConfig(eval=ForecastEvalConfig(every=1, steps=args.steps, inits=count))
-    task = task_of(family)(data_cfg, model_cfg, settings, build=family.build)
+    opened = open_model(args.checkpoint, "CHECKPOINT", kind="era5", data=args.data, hf_folders=False)
+    if opened.taken is not None:
+        print(opened.taken, file=sys.stderr)
+    args.checkpoint = opened.folder
+    task = opened.task(WeatherTaskConfig(eval=ForecastEvalConfig(every=1, steps=args.steps, inits=count)))
     try:
         task.load_data()  # the rollouts of --steps from --init initial times: task.eval's, named by our options
     except ConfigError as err:
@@ -94,34 +92,13 @@ def forecast(args) -> dict:
         raise ConfigError(err.what, "--steps", fix) from None
     if times:
         task.rollouts = Rollouts.of(task.val_set, args.steps, count, [int(t) for t in times], "--init")
-    model = task.build_model()
-    load_weights(model, args.checkpoint)
-    model.eval()
+    model = opened.serial("cpu", task)
     kept, spectra = [], {}
     skill = rollout_skill(model, task.rollouts, grid=Grid.serial(), autocast=contextlib.nullcontext,
                           with_baselines=True, keep=kept, spectra=spectra)
     members = ensemble(args, model, task.rollouts)
     return {"skill": skill, "forecasts": kept[0], "truths": kept[1], "task": task, "members": members,
             "spectra": spectra}
-
-
-def load_weights(model, folder) -> None:
-    """The checkpoint's model weights into `model`, tensor by tensor (sharded_state.iter_full: the peak is the
-    model and one tensor; the Adam moments are not read), after checking that it holds this model's
-    weights, no more, no fewer, of the same shapes."""
-    import torch
-
-    from utils.checkpoints.sharded_state import iter_full, read_shapes
-
-    targets = model.state_dict()
-    wanted = {f"model/{k}": tuple(t.shape) for k, t in targets.items()}
-    held = {k: s for k, s in read_shapes(folder).items() if k.startswith("model/")}
-    wrong = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))
-    require(not wrong, f"{folder} holds another model ({len(wrong)} weights missing, extra or of other shapes, "
-            f"e.g. {wrong[0] if wrong else ''})", "CHECKPOINT", "give a checkpoint of a weather run of this model")
-    with torch.no_grad():
-        for key, tensor in iter_full(folder, "model/"):
-            targets[key.partition("/")[2]].copy_(tensor)
 
 
 def check_ensemble(args) -> None:

@@ -6,18 +6,19 @@
     torchrun --nproc-per-node 2 -m utils.generate hf/<name> --prompt "The castle" --temperature 0
 
 A run directory, its checkpoints/ folder or checkpoints/latest stands for the step folder it names (the newest
-complete one: utils/checkpoints/run_dir.py `resolve_step`; the step taken is printed on stderr). A checkpoint is
-read in one process as export reads it (every shard, any layout; the model's entries only), with
-the run's model settings (config.yaml) and tokenizer (`data.tokenizer`: the word or BPE vocabulary trained on the
-run's corpus, found in its cache, or the tokenizer folder it named; `--tokenizer` overrides). A Hugging Face
-folder (GPT-2, Llama: utils/checkpoints/hf.py) brings its tokenizer.json. `--prompts FILE` holds one prompt per
-line, sampled as one batch (`--padding left|right`: the result is the same). Sampling, the KV cache and the
-padding are utils/tasks/sampling.py's. Launched on several ranks (torchrun; `python train_mp.py` starts only
-train.py), the model is built tensor parallel over them as `python -m utils.evaluate` builds it
-(utils/evaluate/sharded.py: tp = the ranks, no sequence parallelism), each rank holding its heads and their KV
-cache; every rank picks the same tokens and rank 0 prints. Each sample prints as its prompt followed by the
-continuation (up to the end-of-text token), one blank line between samples; the throughput goes to stderr, and
-a warning when a prompt's words are not in the tokenizer's vocabulary (they read as its unknown token).
+complete one: utils/checkpoints/run_dir.py `resolve_step`; the step taken is printed on stderr). The source is
+opened as every tool opens a model (utils/engine/session.py): a checkpoint is read in one process (every shard,
+any layout; the model's entries only), with the run's model settings (config.yaml) and tokenizer
+(`data.tokenizer`: the word or BPE vocabulary trained on the run's corpus, found in its cache, or the tokenizer
+folder it named; `--tokenizer` overrides). A Hugging Face folder (of a family with an adapter: GPT-2, Llama)
+brings its tokenizer.json. `--prompts FILE` holds one prompt per line, sampled as one batch (`--padding
+left|right`: the result is the same). Sampling, the KV cache and the padding are utils/tasks/sampling.py's.
+Launched on several ranks (torchrun; `python train_mp.py` starts only train.py), the model is built tensor
+parallel over them as training builds it (`Opened.sharded`: tp = the ranks, no sequence parallelism), each rank
+holding its heads and their KV cache; every rank picks the same tokens and rank 0 prints. Each sample prints as
+its prompt followed by the continuation (up to the end-of-text token), one blank line between samples; the
+throughput goes to stderr, and a warning when a prompt's words are not in the tokenizer's vocabulary (they read
+as its unknown token).
 Bad input (a missing folder, a checkpoint of the weather model, a top-p outside (0, 1], a tp that does not divide
 the heads, ...): one line on stderr, exit 2, before any work.
 """
@@ -42,18 +43,9 @@ from utils.tasks.sampling import PADDINGS, Sampling, sample
 class Source:
     """A model ready to sample from, and the tokenizer of its vocabulary."""
 
-    model: torch.nn.Module  # networks.transformer.GPT, eval mode
+    model: torch.nn.Module  # the family's model (or this rank's shards of it), eval mode
     tokenizer: object  # utils.data.tokenizers.AnyTokenizer
     eos_id: int | None
-
-
-@dataclass
-class Described:
-    """What a source holds, before any weight is read: its model settings, vocabulary size and tokenizer."""
-
-    cfg: object  # networks.transformer.GPTConfig (or LlamaConfig)
-    vocab: int  # rows of the model's embedding that are tokens (before padding)
-    tokenizer: object  # utils.data.tokenizers.AnyTokenizer
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,140 +92,38 @@ def load_tokenizer_file(path: Path):
         raise ConfigError(err.what, "--tokenizer", err.fix) from None
 
 
-def describe_hf(folder: Path, tokenizer: Path | None) -> Described:
-    """A GPT-2 or Llama folder's model settings and tokenizer (tokenizer.json in the folder unless `tokenizer`)."""
-    from utils.checkpoints import hf
-
-    config = hf.read_config(folder)
-    arch, settings = hf.model_settings(config)
-    cfg = hf.schema_of(arch)(**settings)
-    require(tokenizer is not None or (folder / "tokenizer.json").is_file(), f"{folder} holds no tokenizer.json",
-            "--tokenizer", "give the model's tokenizer folder or tokenizer.json")
-    tok = load_tokenizer_file(tokenizer or folder)
-    vocab = config["vocab_size"]
-    require(tok.vocab_size <= vocab, f"the tokenizer has {tok.vocab_size} tokens, the model {vocab}", "--tokenizer",
-            "give the model's own tokenizer")
-    return Described(cfg, vocab, tok)
-
-
-def load_hf(folder: Path, tokenizer: Path | None, device: str) -> Source:
-    """A GPT-2 or Llama folder's model and tokenizer, in one process."""
-    from networks.transformer import GPT
-    from utils.checkpoints import hf
-
-    described = describe_hf(folder, tokenizer)
-    with torch.device("meta"):
-        model = GPT(described.cfg, described.vocab)
-    model.load_state_dict(hf.import_state(folder, described.cfg, described.vocab), assign=True)
-    return Source(ready(model, device), described.tokenizer, described.tokenizer.eos_id)
-
-
-def describe_checkpoint(folder: Path, tokenizer: Path | None, data: list[str]) -> Described:
-    """A run's checkpoint (any layout): the run's model settings, vocabulary size and tokenizer."""
-    from utils.checkpoints.run_dir import TASK_FILE, load_run, read_facts
-
-    _, model_cfg, data_cfg = load_run(folder, "wikitext", data)  # a complete step folder (resolve_source)
-    run_dir = folder.parent.parent
-    vocab = (read_facts(run_dir, TASK_FILE) or {}).get("vocab_size")
-    require(vocab is not None, f"{run_dir} records no vocabulary size (task.json)", "CHECKPOINT",
+def source_tokenizer(opened, tokenizer: Path | None):
+    """The tokenizer of an opened source (utils/engine/session.py): `tokenizer` when given, else a Hugging Face
+    folder's tokenizer.json or the one the run trained with; its vocabulary checked against the model's."""
+    if opened.is_hf:
+        folder = opened.folder
+        require(tokenizer is not None or (folder / "tokenizer.json").is_file(), f"{folder} holds no tokenizer.json",
+                "--tokenizer", "give the model's tokenizer folder or tokenizer.json")
+        tok = load_tokenizer_file(tokenizer or folder)
+        require(tok.vocab_size <= opened.vocab, f"the tokenizer has {tok.vocab_size} tokens, the model "
+                f"{opened.vocab}", "--tokenizer", "give the model's own tokenizer")
+        return tok
+    run_dir = opened.folder.parent.parent
+    require(opened.vocab is not None, f"{run_dir} records no vocabulary size (task.json)", "CHECKPOINT",
             "resume the run for one step with this version, then sample")
-    tok = load_tokenizer_file(tokenizer) if tokenizer is not None else run_tokenizer(data_cfg)
-    require(tok.vocab_size == vocab, f"the tokenizer has {tok.vocab_size} tokens, the run's model {vocab}",
-            "--tokenizer", "give the tokenizer the run trained with")
-    return Described(model_cfg, vocab, tok)
-
-
-def load_checkpoint(folder: Path, tokenizer: Path | None, data: list[str], device: str) -> Source:
-    """A run's checkpoint (any layout) in one process, and the run's tokenizer."""
-    from networks.transformer import GPT
-
-    described = describe_checkpoint(folder, tokenizer, data)
-    with torch.device("meta"):
-        model = GPT(described.cfg, described.vocab)
-    model.load_state_dict(model_state(folder), assign=True)
-    return Source(ready(model, device), described.tokenizer, described.tokenizer.eos_id)
-
-
-def run_tokenizer(data_cfg):
-    """The tokenizer a language run trained with: its corpus's cached word or BPE vocabulary, its folder, or
-    (data=tokens) the copy that prepare put beside the shards."""
-    from utils.data.cache import cache_folders
-    from utils.data.tokenizers import PretrainedTokenizer
-    from utils.data.tokens import TokensConfig
-    from utils.data.wikitext import load_tokenizer, locate
-
-    if isinstance(data_cfg, TokensConfig):
-        try:
-            return PretrainedTokenizer.load(data_cfg.tokenizer)
-        except ConfigError as err:
-            raise ConfigError(err.what, "data.root", "give the run's shard folder: data.root=DIR") from None
-    folder, sources = locate(data_cfg)
-    return load_tokenizer(data_cfg, sources["train"], cache_folders(folder, data_cfg.cache_dir))[0]
-
-
-def model_state(folder: Path) -> dict[str, torch.Tensor]:
-    """The model's entries of a checkpoint as full tensors (the optimizer's are not read)."""
-    import torch.distributed.checkpoint as dcp
-
-    from utils.checkpoints.sharded_state import SafeReader, read_shapes
-
-    metadata = SafeReader(folder).read_metadata().state_dict_metadata
-    tensors = {key: torch.empty(shape, dtype=metadata[key].properties.dtype)
-               for key, shape in read_shapes(folder).items() if key.startswith("model/") and shape is not None}
-    dcp.load(tensors, storage_reader=SafeReader(folder), no_dist=True)
-    return {key.removeprefix("model/"): t for key, t in tensors.items()}
-
-
-def ready(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """A meta-built model whose weights were assigned, on `device` in eval mode: its computed buffers (rotary
-    tables) made there, its head tied again to the embedding when the model ties them."""
-    for module in model.modules():
-        if hasattr(module, "init_buffers"):
-            module.init_buffers(torch.device(device))
-    if model.cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_embed.weight
-    return model.to(device).eval()
+    tok = load_tokenizer_file(tokenizer) if tokenizer is not None else opened.data_cfg.trained_tokenizer()
+    require(tok.vocab_size == opened.vocab, f"the tokenizer has {tok.vocab_size} tokens, the run's model "
+            f"{opened.vocab}", "--tokenizer", "give the tokenizer the run trained with")
+    return tok
 
 
 SOURCE = "CHECKPOINT_OR_HF_FOLDER"  # the setting a bad source is named by
 
 
-def resolve_source(source: Path) -> tuple[Path, str | None]:
-    """(the folder to read, a line saying which step was taken or None): a Hugging Face model folder (config.json)
-    as it is, else the complete step folder that a run directory, its checkpoints/, checkpoints/latest or a step
-    folder names (utils/checkpoints/run_dir.py `resolve_step`); ConfigError for anything else."""
-    from utils.checkpoints.run_dir import resolve_step
+def open_source(args):
+    """(the source opened: utils/engine/session.py, no weight read; its tokenizer). A run folder stands for its
+    newest complete step: rank 0 says on stderr which step it took."""
+    from utils.engine.session import open_model
 
-    if (source / "config.json").is_file():
-        return source, None
-    step = resolve_step(source, SOURCE, also="a Hugging Face model folder")
-    return step, None if step == source else f"reading {step} (from {source})"
-
-
-def take_source(args) -> None:
-    """`args.source` resolved (`resolve_source`); rank 0 says on stderr which step a run folder stood for."""
-    args.source, taken = resolve_source(args.source)
-    if taken is not None and launch_env().rank == 0:
-        print(taken, file=sys.stderr)
-
-
-def check_source(source: Path) -> bool:
-    """Whether `source`, resolved by `resolve_source`, is a Hugging Face folder (else a run's step folder)."""
-    return (source / "config.json").is_file()
-
-
-def describe_source(args) -> Described:
-    """The model settings and tokenizer of a Hugging Face folder or a run's checkpoint (no weights read)."""
-    if check_source(args.source):
-        return describe_hf(args.source, args.tokenizer)
-    return describe_checkpoint(args.source, args.tokenizer, args.data)
-
-
-def load_source(args) -> Source:
-    """The model and tokenizer of a Hugging Face folder or a run's checkpoint."""
-    if check_source(args.source):
-        return load_hf(args.source, args.tokenizer, args.device)
-    return load_checkpoint(args.source, args.tokenizer, args.data, args.device)
+    opened = open_model(args.source, SOURCE, kind="wikitext", data=args.data)
+    if opened.taken is not None and launch_env().rank == 0:
+        print(opened.taken, file=sys.stderr)
+    return opened, source_tokenizer(opened, args.tokenizer)
 
 
 def unknown_words(tokenizer, lines: list[str]) -> list[str]:
@@ -272,15 +162,12 @@ def encode(source: Source, lines: list[str], new_tokens: int) -> list[list[int]]
 def load(args) -> tuple[Source, AxisGroup | None, str, bool]:
     """(the source: the whole model, or this rank's tensor-parallel shards; the tp axis (None: one process); the
     device; whether this rank prints)."""
-    from utils.evaluate.sharded import ranks_of_launch, sharded_model
-
-    world = ranks_of_launch()
-    take_source(args)
+    world = launch_env().world_size
+    opened, tokenizer = open_source(args)
     if world == 1:
-        return load_source(args), None, args.device, True
-    described = describe_source(args)
-    model, grid = sharded_model(described, args.source, tp=world, pp=1, sequence_parallel=False)
-    source = Source(model, described.tokenizer, described.tokenizer.eos_id)
+        return Source(opened.serial(args.device), tokenizer, tokenizer.eos_id), None, args.device, True
+    model, grid = opened.sharded(tp=world, pp=1, sequence_parallel=False)
+    source = Source(model, tokenizer, tokenizer.eos_id)
     return source, grid.axis(Axis.TP), f"{grid.device}, tp{world}", grid.is_main
 
 

@@ -14,9 +14,10 @@ from distributed.collectives import all_reduce_
 from networks.transformer import GPTConfig, check_seq_len, padded_vocab_size
 from utils import require
 from utils.comm import Axis, Grid
+from utils.data.text import TextSource
 from utils.data.token_bytes import token_bytes
-from utils.data.tokens import TokensConfig, load_tokens
-from utils.data.wikitext import WikiTextConfig, load_wikitext
+from utils.data.tokens import TokensConfig
+from utils.data.wikitext import WikiTextConfig
 from utils.schema import Config
 from utils.tasks.generate import greedy_decode
 from utils.tasks.registry import MODELS, spec_of
@@ -51,14 +52,14 @@ class LanguageTask:
                 f"use a multiple of {2 * cp}")
         spec = spec_of(model.arch)
         readers = [s.presets for s in MODELS.values() if s.documents]
-        require(getattr(data, "packing", "concat") == "concat" or spec.documents, f"the {spec.name} model does not "
+        require(data.packing == "concat" or spec.documents, f"the {spec.name} model does not "
                 "read packed documents", "data.packing", f"set data.packing=concat, or use {' or '.join(readers)}")
-        require(getattr(data, "packing", "concat") == "concat" or not cfg.precision.compile,
+        require(data.packing == "concat" or not cfg.precision.compile,
                 "packed documents with precision.compile=true (the blocks take the batch's documents, which "
                 "torch.compile would guard on per batch)",
                 "precision.compile", "set precision.compile=false or data.packing=concat")
 
-    def __init__(self, data: WikiTextConfig | TokensConfig, model_cfg: GPTConfig,
+    def __init__(self, data: TextSource, model_cfg: GPTConfig,
                  task: LanguageTaskConfig | None = None, build=None):
         self.cfg, self.model_cfg, self.build = data, model_cfg, build  # build: the family's (networks/spec.py)
         self.new_tokens = data.sample_tokens  # greedy tokens per prompt at each validation (0: no decoding)
@@ -69,7 +70,7 @@ class LanguageTask:
 
     def load_data(self) -> None:
         """Read, tokenize (or load the caches of) the corpus; every data error is raised here."""
-        self.corpus = load_tokens(self.cfg) if isinstance(self.cfg, TokensConfig) else load_wikitext(self.cfg)
+        self.corpus = self.cfg.open()  # a text source (utils/data/text.py)
         self.train_set = self.corpus.dataset("train", self.cfg.seq_len)
         self.val_set = self.corpus.dataset("valid", self.cfg.seq_len)
         self.unigram_ppl = self.corpus.unigram_ppl
@@ -93,7 +94,7 @@ class LanguageTask:
 
     def build_model(self) -> nn.Module:
         model = self.build(self.model_cfg, self)
-        if getattr(self.cfg, "packing", "concat") == "documents":  # rows carry their documents (networks/documents.py)
+        if self.cfg.packing == "documents":  # rows carry their documents (networks/documents.py)
             model.documents = self.cfg.attention
         return model
 
