@@ -1,6 +1,7 @@
 """SPMD types, the second oracle (distributed/typecheck/spmd_typing.py, tests/typecheck.py): one training step
 per layout in one process on a fake group, typed; the plants the types catch alone. `python -m tests.typecheck`
-checks every layout of the covering set and `--plants` every plant (docs/testing.md, "SPMD types: the second oracle")."""
+checks every layout of the covering set and `--plants` every plant (docs/testing.md, "SPMD types: the second
+oracle")."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def test_the_types_catch_the_plant_alone(plant):
 def test_every_mapping_function_has_a_signature():
     import torch
 
-    from distributed import mappings, spmd_typing
+    from distributed import mappings
+    from distributed.typecheck import spmd_typing
 
     functions = {n for n, v in vars(mappings).items() if isinstance(v, type) and issubclass(v, torch.autograd.Function)}
     assert functions == set(spmd_typing.SIGNATURES)
@@ -87,7 +89,8 @@ def test_checking_is_off_by_default_and_undone_on_exit():
              "distributed.context.attention; print('spmd_types' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=typecheck.ROOT,
                           check=True).stdout.strip() == "False"
-    from distributed import mappings, spmd_typing
+    from distributed import mappings
+    from distributed.typecheck import spmd_typing
     from utils.comm import Grid
 
     before = {n: dict(vars(getattr(mappings, n))) for n in spmd_typing.SIGNATURES}
