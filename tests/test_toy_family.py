@@ -2,7 +2,9 @@
 (the family-module contract of utils/tasks/registry.py), the registry adds it (`add_modules`, what
 DLSCALE_FAMILIES does), and it trains under tp2, cp2 (ring and all-to-all), pp2 and FSDP like the built-in
 families: every layout follows its one-process curve (fp32, relative 1e-4), with no edit outside that folder.
-tests/test_family_discovery.py finds it through DLSCALE_FAMILIES and an entry point.
+tests/test_family_discovery.py finds it through DLSCALE_FAMILIES and an entry point. Its Hugging Face adapter
+is in that folder too (tests/toy_family/hf.py): export, whole import, import by slices and the import-hf command
+work through its spec, with no edit elsewhere.
 
 The registry's contract is also refused where a family breaks it: an attention core that is not plain
 softmax attention under cp (it would be replaced, not split), and a task loss the pipeline would not compute.
@@ -27,6 +29,41 @@ def with_toy() -> None:
     from utils.tasks.registry import add_modules
 
     add_modules(["tests.toy_family"])
+
+
+def test_the_toy_family_exchanges_weights_through_its_own_adapter(tmp_path):
+    """A random toy model written as a folder of its layout, read back whole (exactly, the vocabulary padded with
+    zeros), every box read by slices equal to the whole import, and import-hf's settings naming its preset."""
+    import torch
+
+    from distributed.placement import Piece
+    from tests.toy_family.model import ToyConfig, ToyLM
+    from utils.checkpoints import hf
+    from utils.checkpoints.hf_stream import read_pieces, write_folder
+    from utils.export.convert import import_hf
+
+    with_toy()
+    cfg, vocab = ToyConfig(embed_dim=32, depth=2, num_heads=4, mlp_hidden=48, max_positions=16), 50  # 64 rows
+    torch.manual_seed(0)
+    state = ToyLM(cfg, vocab).state_dict()
+    folder = tmp_path / "toy_hf"
+    write_folder(folder, hf.hf_config(cfg, vocab), hf.from_project(cfg, state, vocab), None)
+    assert hf.model_settings(hf.read_config(folder))[0] == "toy"  # found through the family's spec
+    back = hf.import_state(folder, cfg, vocab)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    assert state["tok_embed.weight"].shape[0] == 64 and not back["tok_embed.weight"][vocab:].any()
+    gen, pieces = torch.Generator().manual_seed(1), []
+    for name, tensor in back.items():
+        for _ in range(4):
+            box = [slice(s := int(torch.randint(0, n, (), generator=gen)), s + 1 + int(torch.randint(0, n - s, (),
+                   generator=gen))) for n in tensor.shape]
+            pieces.append(Piece(name, torch.full([b.stop - b.start for b in box], float("nan")), tuple(tensor.shape),
+                                tuple(b.start for b in box)))
+    read_pieces(folder, cfg, vocab, pieces)
+    for piece in pieces:
+        assert torch.equal(piece.local, back[piece.name][piece.slices()]), (piece.name, piece.slices())
+    _, settings = import_hf(folder, tmp_path / "imported")
+    assert settings[0] == "model=toy_tiny" and "model.embed_dim=32" in settings and "model.mlp_hidden=48" in settings
 
 
 def _entry_with_toy(rank: int, world: int, argv: list[str]) -> int:

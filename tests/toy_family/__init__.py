@@ -5,6 +5,7 @@ train.py model=toy_tiny data=wikitext_sample` trains it; tests add it in their p
 
 from networks.layout import check_heads
 from networks.spec import ModelSpec
+from tests.toy_family.hf import ToyExchange
 from tests.toy_family.model import ToyConfig, ToyLM
 from utils.tasks.language import LanguageTask
 
@@ -15,5 +16,5 @@ def _build(cfg: ToyConfig, task: LanguageTask) -> ToyLM:
 
 FAMILY = ModelSpec(arch="toy", name="toy decoder", schema=ToyConfig, presets="model=toy_tiny", tiny="toy_tiny",
                    task=LanguageTask, build=_build, blocks=lambda cfg: cfg.depth,
-                   check_layout=lambda cfg, parallel: check_heads(cfg.num_heads, parallel))
+                   check_layout=lambda cfg, parallel: check_heads(cfg.num_heads, parallel), hf=ToyExchange())
 PRESETS = {"toy_tiny": ToyConfig}
