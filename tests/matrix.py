@@ -46,7 +46,7 @@ CACHE = ROOT / "tests" / "data" / "matrix_cases.json"  # the covering set, with 
 SOURCES = ("config", "distributed", "networks", "utils", "tests/matrix.py", "tests/helpers.py")
 FACTORS = {
     # the registry's built-in families (networks/families/), each run with its MODEL_ARGS, in the order the covering
-    # set was made in (a family without MODEL_ARGS comes last; tests/test_matrix.py asks for its settings)
+    # set was made in (a new family comes last, with settings derived from its spec: `MODEL_ARGS`)
     "model": tuple(sorted(BUILT_IN, key=lambda arch: ("vit", "gpt", "llama", arch).index(arch))),
     "tp": (1, 2),
     "cp": (1, 2, 4),
@@ -73,12 +73,28 @@ REQUIRED = ({"pp": 1, "dp_mode": "ddp", "precision": "fp32", "grad_accum_steps":
 GLOBAL_BATCH = 16  # divisible by every dp x accumulation x microbatches of the space
 # Each case validates once, at its end: the language models on 512 tokens (one batch of 16 rows of 32), about 8%
 # of a case's CPU less than 2048 (docs/measurements.md), the ViT on 8 samples (half a batch).
-MODEL_ARGS = {
+TUNED_ARGS = {
     "vit": ["trainer.global_batch_size=16", "data.limit_nsamples_val=8", "model.depth=4", *NARROW],
     "gpt": [*TINY_GPT, "data.limit_eval_tokens=512", "trainer.global_batch_size=16", *NARROW],
     "llama": ["model=llama_tiny", *TINY_GPT[1:], "data.limit_eval_tokens=512", "trainer.global_batch_size=16",
               *NARROW],
 }
+# A built-in family without tuned settings runs on its smallest preset (`ModelSpec.tiny`) and the first data
+# preset of its task, cut as the tuned ones are: a new folder of networks/families/ joins the matrix unedited.
+TASK_ARGS = {"wikitext": [*TINY_GPT[1:], "data.limit_eval_tokens=512"], "era5": ["data.limit_nsamples_val=8"]}
+
+
+def _derived_args(arch: str) -> list[str]:
+    from utils.tasks import DATA_PRESETS, task_of
+    from utils.tasks.registry import spec_of
+
+    spec = spec_of(arch)
+    kind = task_of(spec).DATA_KIND
+    data = [] if any(a.startswith("data=") for a in TASK_ARGS.get(kind, [])) else [f"data={DATA_PRESETS[kind][0]}"]
+    return [f"model={spec.tiny}", *data, *TASK_ARGS.get(kind, []), "trainer.global_batch_size=16", *NARROW]
+
+
+MODEL_ARGS = {arch: TUNED_ARGS.get(arch) or _derived_args(arch) for arch in FACTORS["model"]}
 
 
 class Mismatch(AssertionError):
@@ -172,8 +188,16 @@ def normalize(values: dict) -> Case | None:
         return None
     active = _acting(tp, cp, pp, dp)
     active["cp_a2a"] = active["cp_a2a"] and values["cp_attention"] == "hierarchical"
-    active["packing"] = values["model"] != "vit"
+    active["packing"] = _reads_documents(values["model"])
     return Case(**{n: (values[n] if active.get(n, True) else None) for n in NAMES})
+
+
+@cache
+def _reads_documents(arch: str) -> bool:
+    """Whether the family reads packed documents (`ModelSpec.documents`): the packing factor acts on it."""
+    from utils.tasks.registry import spec_of
+
+    return spec_of(arch).documents
 
 
 @cache
