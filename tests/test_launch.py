@@ -19,6 +19,21 @@ from utils.cli.local_launch import supervise
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 
 
+def test_one_local_launch_composes_its_config_once(monkeypatch, tmp_path):
+    """train.py as one process for a layout of 2 ranks: the config it composed is the one the launcher plans with
+    (composed once in this process); the ranks it starts compose their own."""
+    from utils.cli import config, local_launch
+
+    composed, planned = [], []
+    real = config.compose_config
+    monkeypatch.setattr(config, "compose_config", lambda argv: (composed.append(list(argv)), real(argv))[1])
+    monkeypatch.setattr(local_launch, "launch", lambda argv, world, gpus: planned.append((world, gpus)) or 0)
+    monkeypatch.setenv("TRAIN_MP_ERRORS", "")
+    argv = ["parallel=tp2", "trainer.device=cpu", f"run.dir={tmp_path}/run"]
+    assert local_launch.run_command(argv) == 0
+    assert planned == [(2, False)] and composed == [argv]  # run_digest composes the presets alone, not the config
+
+
 def test_train_mp_rejects_a_grid_that_does_not_fit():
     proc = run_entry("train_mp.py", "parallel=tp2", "--nproc", "3", timeout=60)
     assert proc.returncode == 2

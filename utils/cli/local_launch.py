@@ -61,7 +61,7 @@ def run(cfg, choices: dict[str, str], config_yaml: str, argv: list[str]) -> int:
     from utils.engine.build import build_run
 
     if starts_local_ranks(cfg):
-        return launch_main(argv)
+        return launch_main(argv, loaded=(cfg, choices, config_yaml))
     digest = run_digest(cfg, choices, config_yaml)
     check_run_dir(cfg, choices, config_yaml, digest)  # build_run checks it too, without the presets to name
     trainer = build_run(cfg, choices, config_yaml, digest)
@@ -144,15 +144,15 @@ def gpus_for_ranks(device: str, world: int, visible: int) -> bool:
     return True
 
 
-def launch_plan(argv: list[str], nproc: int | None) -> tuple[int, bool]:
+def launch_plan(argv: list[str], nproc: int | None, loaded: tuple | None = None) -> tuple[int, bool]:
     """(ranks the grid needs, whether each gets a GPU), validated like train.py does, before anything starts: the
     grid, the split of the global batch over it (the data's size aside), and the run directory's checkpoints
-    (each rank would print the same error otherwise)."""
+    (each rank would print the same error otherwise). `loaded`: `load_config(argv)`, if composed already."""
     from utils.cli.runs import check_run_dir, run_digest
     from utils.data.batching import check_batch
     from utils.tasks import pipeline_plan
 
-    cfg, choices, config_yaml = load_config(argv)
+    cfg, choices, config_yaml = loaded or load_config(argv)
     p = cfg.parallel
     world = nproc or ranks_needed(p)
     sizes = check_grid(p, LaunchEnv(world_size=world))
@@ -224,8 +224,10 @@ def forward_stop_signals(procs: list[subprocess.Popen], early: tuple[int, float]
         forward(early[0], None)
 
 
-def launch_main(argv: list[str] | None = None) -> int:
-    """`python train_mp.py [--nproc N] key=value ...`: start the layout's ranks here; the job's status."""
+def launch_main(argv: list[str] | None = None, loaded: tuple | None = None) -> int:
+    """`python train_mp.py [--nproc N] key=value ...`: start the layout's ranks here; the job's status. `loaded`:
+    `load_config(argv)`'s result when the caller composed it already (train.py: the config is composed once per
+    process)."""
     import utils.engine.build  # noqa: F401 - forked CPU ranks inherit the trainer imported (ForkedRank)
     from utils.startup import imports_done
 
@@ -233,7 +235,7 @@ def launch_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         nproc, argv = parse_nproc(argv)
-        world, use_gpus = launch_plan(argv, nproc)
+        world, use_gpus = launch_plan(argv, nproc, loaded)
     except ConfigError as err:
         exit_bad_input(err)
     return launch(argv, world, use_gpus)
