@@ -9,7 +9,7 @@ rules (networks/exchange.py) state once for import, sliced import and export:
   k, v], head_dim). Query head h reads key/value head h // r in both (r = heads / kv heads), and both rotate
   (first half, second half) of each head, so the rows need no rotary permutation.
 - Llama's gate_proj and up_proj are one `fc1` here, their rows interleaved (unit, {gate, up}).
-A family's adapter (networks/families/gpt/hf.py, llama/hf.py) gives the names and reads and writes config.json.
+A family's adapter (networks/gpt/hf.py, llama/hf.py) gives the names and reads and writes config.json.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A model family as one spec: what the framework needs of a model, declared once.
 
-A family is a folder (networks/families/<name>/, or a package outside the tree) whose module defines
+A family is a folder (networks/<name>/, or a package outside the tree) whose module defines
 `FAMILY = ModelSpec(...)` and its `model=` PRESETS (utils/tasks/registry.py's contract: the built-in folders are
-found by a scan of networks/families/, the others through a `dlscale.families` entry point or DLSCALE_FAMILIES).
+found by a scan of networks/, each of its packages a family; the others through a `dlscale.families` entry point
+or DLSCALE_FAMILIES).
 The spec declares what is known from the config alone; the model its builder returns answers the rest
 (`FamilyModel`):
 

@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "tests" / "data" / "matrix_cases.json"  # the covering set, with the fingerprint it was made from
 SOURCES = ("config", "distributed", "networks", "utils", "tests/matrix.py", "tests/helpers.py")
 FACTORS = {
-    # the registry's built-in families (networks/families/), each run with its MODEL_ARGS, in the order the covering
-    # set was made in (a new family comes last, with settings derived from its spec: `MODEL_ARGS`)
+    # the registry's built-in families (the folders of networks/), each run with its MODEL_ARGS, in the order the
+    # covering set was made in (a new family comes last, with settings derived from its spec: `MODEL_ARGS`)
     "model": tuple(sorted(BUILT_IN, key=lambda arch: ("vit", "gpt", "llama", arch).index(arch))),
     "tp": (1, 2),
     "cp": (1, 2, 4),
@@ -80,7 +80,7 @@ TUNED_ARGS = {
               *NARROW],
 }
 # A built-in family without tuned settings runs on its smallest preset (`ModelSpec.tiny`) and the first data
-# preset of its task, cut as the tuned ones are: a new folder of networks/families/ joins the matrix unedited.
+# preset of its task, cut as the tuned ones are: a new family folder of networks/ joins the matrix unedited.
 TASK_ARGS = {"wikitext": [*TINY_GPT[1:], "data.limit_eval_tokens=512"], "era5": ["data.limit_nsamples_val=8"]}
 
 

@@ -32,8 +32,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from distributed.tensor.layers import TensorParallelLayer
 from distributed.tensor.parallelize import parallelize
-from networks.families.vit.model import ViT, ViTConfig
 from networks.transformer import GPT, GPTConfig
+from networks.vit.model import ViT, ViTConfig
 from tests.helpers import run_ranks
 from utils.comm import AxisGroup, init_grid
 from utils.schema import ParallelConfig

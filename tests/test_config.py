@@ -2,7 +2,7 @@
 
 import pytest
 
-from networks.families.vit.model import ViTConfig
+from networks.vit.model import ViTConfig
 from utils import ConfigError
 from utils.cli.config import load_config, presets
 

@@ -16,8 +16,8 @@ from distributed.context.layout import chunk_positions
 from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import sync_partial_grads
 from distributed.tensor.parallelize import parallelize
-from networks.families.vit.model import ViT, ViTConfig
 from networks.transformer import GPT, GPTConfig
+from networks.vit.model import ViT, ViTConfig
 from tests.helpers import run_ranks
 from tests.test_parallelize import _compare_grads
 from utils.comm import init_grid

@@ -24,7 +24,7 @@ import torch
 from distributed.fsdp import shard_data_parallel
 from distributed.pipeline.stage_plan import resolve_plan
 from distributed.pipeline.stages import StageModule, cut_for_rank
-from networks.families.vit.model import ViT, ViTConfig
+from networks.vit.model import ViT, ViTConfig
 from tests.helpers import QUIET, read_scalars, run_ranks
 from tests.rank_pool import run_entry_ranks
 from utils.comm import init_grid

@@ -278,7 +278,7 @@ def test_the_factors_hold_every_value_the_config_accepts():
     from tests.matrix import _derived_args
     from utils.cli.config import load_config
 
-    for arch in BUILT_IN:  # what a new folder of networks/families/ would run with, untuned: it composes
+    for arch in BUILT_IN:  # what a new family folder of networks/ would run with, untuned: it composes
         assert load_config(_derived_args(arch))[0].model.arch == arch
 
 

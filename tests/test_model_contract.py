@@ -25,10 +25,10 @@ from distributed.context.parallelize import parallelize_context
 from distributed.data_parallel import sync_partial_grads
 from distributed.tensor.parallelize import parallelize
 from networks.blocks import Attention, ScaledDotProductAttention
-from networks.families.vit.model import ViT, ViTConfig
 from networks.initialization import initialize
 from networks.parallel_plan import BLOCK, check_followed
 from networks.transformer import GPT, GPTConfig
+from networks.vit.model import ViT, ViTConfig
 from tests.helpers import run_ranks
 from tests.test_parallelize import _compare_grads
 from utils import ConfigError

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from networks.families.vit.model import RelativeL2Loss, ViT, ViTConfig
+from networks.vit.model import RelativeL2Loss, ViT, ViTConfig
 from utils import ConfigError
 from utils.cli.config import load_config
 from utils.tasks.weather_metrics import weighted_rmse

@@ -31,8 +31,8 @@ from distributed.grad_norm import grad_norm
 from distributed.rng import ShardedRandom
 from distributed.tensor.layers import TensorParallelLayer
 from distributed.tensor.parallelize import parallelize
-from networks.families.vit.model import ViT, ViTConfig
 from networks.transformer import GPT, GPTConfig
+from networks.vit.model import ViT, ViTConfig
 from tests.helpers import run_ranks
 from utils import ConfigError
 from utils.cli.config import load_config

@@ -19,8 +19,8 @@ from distributed.pipeline.schedule import Pipeline, PipelineForward
 from distributed.pipeline.stage_plan import block_split, bubble_fraction, resolve_plan
 from distributed.pipeline.stages import cut_for_rank
 from distributed.pipeline.torch_stages import build_stages
-from networks.families.vit.model import ViT, ViTConfig
 from networks.transformer import GPT, GPTConfig
+from networks.vit.model import ViT, ViTConfig
 from tests.helpers import run_ranks
 from utils import ConfigError
 from utils.cli.config import load_config

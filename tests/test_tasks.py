@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from networks.families.vit.model import RelativeL2Loss
+from networks.vit.model import RelativeL2Loss
 from utils.cli.config import load_config
 from utils.comm import Grid
 from utils.data.batching import build_loaders

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from networks.families.vit.model import RelativeL2Loss
+from networks.vit.model import RelativeL2Loss
 from utils.checkpoints.run_dir import differences
 from utils.cli.config import load_config
 from utils.cli.runs import override_digest

@@ -4,7 +4,7 @@
   hold, before tensor and context parallelism shard the rest: the blocks it keeps stay under their
   global names (`blocks` becomes an `nn.ModuleDict` keyed by the block index), the model's first part
   (`embed`) stays only with stage 0 and its last part (`output`) only with the last stage
-  (`PIPELINE_ENDS` of networks/families/vit/model.py and networks/transformer.py names their attributes). Parts
+  (`PIPELINE_ENDS` of networks/vit/model.py and networks/transformer.py names their attributes). Parts
   without parameters (dropouts, sequence markers, the criterion) stay everywhere. So the rank's module
   has the full model's state-dict names for what it holds: checkpoints keep global names, and the
   rank modules of a pipeline partition the full model's keys.

@@ -3,7 +3,7 @@
 A Hugging Face folder holds config.json and the weights as safetensors (model.safetensors, or shards
 listed by model.safetensors.index.json), often with the tokenizer files beside them. config.json's model_type
 names the family (the one whose adapter lists it); its adapter (networks/exchange.py `HFAdapter`, in the family's
-folder: GPT-2 and Llama in networks/families/) reads and writes config.json and gives the rule each of our
+folder: networks/gpt/hf.py, networks/llama/hf.py) reads and writes config.json and gives the rule each of our
 tensors is made by. Everything else is here, the same for every family: the folder, the checks, the vocabulary
 padding, import of whole tensors and export.
 

@@ -7,8 +7,8 @@ One way in, `add_family(module, ...)`, for every family: a family module (or any
                                             # instance of it, stored in Hydra's ConfigStore group `model`
 
 and nothing happens when it is imported: the registry reads it. The built-in families are the folders of
-networks/families/, found by a scan of that package (their presets are config/model/*.yaml). The others are found
-too, not listed here:
+networks/, found by a scan of that package: each of its packages is a family (their presets are
+config/model/*.yaml). The others are found too, not listed here:
 `discover()` adds the families of installed distributions' entry points of group `dlscale.families`
 (`[project.entry-points."dlscale.families"] toy = "mypkg.family"`) and of the modules DLSCALE_FAMILIES names
 (`DLSCALE_FAMILIES=tests.toy_family python train.py model=toy_tiny data=wikitext_sample`, comma-separated, for
@@ -32,7 +32,7 @@ import pkgutil
 import re
 from collections.abc import Mapping
 
-import networks.families
+import networks
 from networks.spec import ModelSpec
 from utils import ConfigError, require
 
@@ -159,14 +159,15 @@ def _first_line(err: Exception) -> str:
 
 
 def _scan() -> tuple[str, ...]:
-    """Add the built-in families: each folder of networks/families/ (a package scan, nothing listed)."""
+    """Add the built-in families: each package of networks/ (a package scan, nothing listed; its modules are the
+    building blocks the families share)."""
     archs = []
-    for info in sorted(pkgutil.iter_modules(networks.families.__path__), key=lambda i: i.name):
+    for info in sorted(pkgutil.iter_modules(networks.__path__), key=lambda i: i.name):
         if info.ispkg:
-            module = importlib.import_module(f"{networks.families.__name__}.{info.name}")
-            archs += [spec.arch for spec in add_family(module, f"networks/families/{info.name}/",
+            module = importlib.import_module(f"networks.{info.name}")
+            archs += [spec.arch for spec in add_family(module, f"networks/{info.name}/",
                                                        "the built-in families")]
     return tuple(archs)
 
 
-BUILT_IN = _scan()  # the archs of networks/families/ (the combination matrix's families)
+BUILT_IN = _scan()  # the archs of networks/'s packages (the combination matrix's families)

@@ -17,7 +17,7 @@ from torch import nn
 
 from distributed.collectives import all_reduce_
 from distributed.pipeline.schedule import from_last_stage
-from networks.families.vit.model import ViTConfig
+from networks.vit.model import ViTConfig
 from utils import require
 from utils.comm import Grid
 from utils.data.era5 import ERA5Config

@@ -1,6 +1,6 @@
 """The weather task's training loss (`task.loss`): the seed's relative L2, or a weighted mean squared error.
 
-    relative_l2   the seed's loss, the ViT's own criterion (networks/families/vit/model.py RelativeL2Loss): the default
+    relative_l2   the seed's loss, the ViT's own criterion (networks/vit/model.py RelativeL2Loss): the default
     mse           mean over samples, channels and grid points of (f - o)^2, in normalised units
     area_mse      the same with each row weighted by its cell area w_j (WeatherBench 2's latitude weights of the
                   data's latitudes, mean 1: utils/data/fields.py cell_area_weights)

@@ -1,5 +1,5 @@
 """Validation metrics of the ERA5 workload (the NERSC tutorial's definitions); the training loss is the
-ViT's own criterion (networks/families/vit/model.py RelativeL2Loss)."""
+ViT's own criterion (networks/vit/model.py RelativeL2Loss)."""
 
 from __future__ import annotations
 

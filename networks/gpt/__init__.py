@@ -1,7 +1,7 @@
 """The GPT family (`model=gpt_*`): the decoder (networks/transformer.py) with GPT-2's choices, exchanged with
 Hugging Face's GPT2LMHeadModel (hf.py)."""
 
-from networks.families.gpt.hf import GPT2Exchange
+from networks.gpt.hf import GPT2Exchange
 from networks.spec import ModelSpec
 from networks.transformer import GPT, GPTConfig, check_layout
 

@@ -1,8 +1,8 @@
 """The ERA5 Vision Transformer family (`model=vit_*`): its model and schema (model.py), trained by the weather task."""
 
-from networks.families.vit.model import ViT, ViTConfig
 from networks.layout import check_heads
 from networks.spec import ModelSpec
+from networks.vit.model import ViT, ViTConfig
 
 
 def _build(cfg: ViTConfig, task) -> ViT:

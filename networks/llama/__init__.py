@@ -1,7 +1,7 @@
 """The Llama family (`model=llama_*`): the decoder (networks/transformer.py) with Llama's choices (`LlamaConfig`),
 exchanged with Hugging Face's LlamaForCausalLM (hf.py)."""
 
-from networks.families.llama.hf import LlamaExchange
+from networks.llama.hf import LlamaExchange
 from networks.spec import ModelSpec
 from networks.transformer import GPT, LlamaConfig, check_layout
 
