@@ -12,7 +12,7 @@ the plan of `Block`). What a declared attention module provides (`AttentionModul
 - `Attention.positions`: None, or (context parallelism) an object whose `local_positions` are the
   global positions of the tokens this rank holds; rotary embeddings read them.
 
-Generation (utils/tasks/sampling.py) passes a `DecodeStep` to the forward: each row's token positions, which
+Generation (utils/language/task/sampling.py) passes a `DecodeStep` to the forward: each row's token positions, which
 keys each new token may attend (padding and the future masked) and the layer's `KVCache`. Training never
 does, and its path is the one without it.
 """

@@ -1,6 +1,6 @@
 """Packed documents: which document each token of a row belongs to, its position in it, and the attention mask.
 
-A row packed from whole documents (`data.packing=documents`, utils/data/packing.py) carries its structure in
+A row packed from whole documents (`data.packing=documents`, utils/language/data/packing.py) carries its structure in
 its token ids: a token that begins a document has `DOC_START` added to its id (`pack_ids`). One int64 tensor
 (B, S) is then all a batch is, as in concatenated packing, so it travels unchanged through every path a batch
 takes (the tp x cp broadcast, dp splits, pipeline micro-batches, validation padding); the model reads it back

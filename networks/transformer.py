@@ -21,8 +21,9 @@ names the attributes each uses, which a pipeline stage keeps (distributed/pipeli
 
 There is no 'exit' region: the head consumes the sequence region's layout directly (under tensor
 sequence parallelism the vocab-parallel head all-gathers the sequence itself). Greedy decoding for
-any layout is `utils.tasks.generate.greedy_decode`; sampling with a KV cache (`forward(idx, decode)`, one process or
-tensor parallel) is `utils.tasks.sampling`.
+any layout is `utils.language.task.generate.greedy_decode`; sampling with a KV cache (`forward(idx, decode)`, one
+process or
+tensor parallel) is `utils.language.task.sampling`.
 The vocabulary is padded to a multiple of `vocab_multiple` (tensor-parallel vocab splits, fast
 matmuls); padding changes neither the initial weights of real tokens nor the loss.
 """

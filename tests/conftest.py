@@ -60,13 +60,13 @@ def pytest_addoption(parser):
 
 @pytest.fixture(scope="session")
 def era5_root(tmp_path_factory) -> Path:
-    from utils.data.era5_synthetic import ensure_synthetic
+    from utils.weather.data.era5_synthetic import ensure_synthetic
 
     return ensure_synthetic(tmp_path_factory.mktemp("era5") / "synthetic")
 
 
 @pytest.fixture(scope="session")
 def corpus_root(tmp_path_factory) -> Path:
-    from utils.data.corpus import ensure_sample_corpus
+    from utils.language.data.corpus import ensure_sample_corpus
 
     return ensure_sample_corpus(tmp_path_factory.mktemp("wikitext") / "sample")

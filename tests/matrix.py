@@ -85,12 +85,13 @@ TASK_ARGS = {"wikitext": [*TINY_GPT[1:], "data.limit_eval_tokens=512"], "era5": 
 
 
 def _derived_args(arch: str) -> list[str]:
-    from utils.tasks import DATA_PRESETS, task_of
+    from utils.tasks import task_of
     from utils.tasks.registry import spec_of
 
     spec = spec_of(arch)
-    kind = task_of(spec).DATA_KIND
-    data = [] if any(a.startswith("data=") for a in TASK_ARGS.get(kind, [])) else [f"data={DATA_PRESETS[kind][0]}"]
+    task = task_of(spec)
+    kind = task.DATA_KIND
+    data = [] if any(a.startswith("data=") for a in TASK_ARGS.get(kind, [])) else [f"data={task.DATA_PRESETS[kind][0]}"]
     return [f"model={spec.tiny}", *data, *TASK_ARGS.get(kind, []), "trainer.global_batch_size=16", *NARROW]
 
 

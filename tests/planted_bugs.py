@@ -213,7 +213,7 @@ PLANTS = {
     "crps_not_fair": Plant(
         "forecast ensemble scores", "the fair CRPS's member-pair term divided by M^2 (the standard estimator's) "
         "instead of M (M - 1)",
-        (("utils/tasks/ensemble.py", "x.sort(dim=0).values).sum(dim=0) / (num * (num - 1))",
+        (("utils/weather/task/ensemble.py", "x.sort(dim=0).values).sum(dim=0) / (num * (num - 1))",
           "x.sort(dim=0).values).sum(dim=0) / _plant_hit(num * num)"),),
         lambda c: False,
         tests=(("tests/test_ensemble.py::test_fair_crps_equals_scores", "5"),)),

@@ -185,8 +185,8 @@ LAYERS = (
     ("models", ("networks",)),
     ("grid", ("utils.comm",)),
     ("parallel", ("distributed",)),
-    ("data", ("utils.data",)),
-    ("workloads", ("utils.tasks", "utils.checkpoints")),
+    ("data", ("utils.data", "utils.weather.data", "utils.language.data")),
+    ("workloads", ("utils.tasks", "utils.checkpoints", "utils.weather.task", "utils.language.task")),
     ("engine", ("utils.engine",)),
     ("command line", ("utils.cli",)),
     ("tools", ("utils.plan", "utils.bench", "utils.doctor",
@@ -248,6 +248,22 @@ def test_every_file_sits_in_its_folders_layer():
     assert not moved, "modules placed in another layer than their folder's:\n" + "\n".join(moved)
 
 
+WINGS = ("utils.weather", "utils.language")
+CORE = ("utils", "utils.schema", "utils.launch_env", "utils.signals", "utils.startup", "utils.comm", "utils.data",
+        "utils.tasks", "utils.checkpoints", "utils.engine", "utils.cli", "networks", "distributed")
+
+
+def test_the_core_imports_no_wing():
+    """The core (the grid, the data interface, the task protocol and registry, checkpoints, the engine, the command
+    line, the models and the parallelism) imports nothing of the weather and language wings: it finds their tasks
+    (utils/tasks/__init__.py `tasks`) and names their commands as text (utils/data/prepare.py)."""
+    graph = import_graph()
+    core = [m for m in graph if any(m == c or (c != "utils" and m.startswith(c + ".")) for c in CORE)]
+    found = [f"{m} -> {t}" for m in sorted(core) for t in sorted(graph[m])
+             if any(t == w or t.startswith(w + ".") for w in WINGS)]
+    assert not found, "the core imports a wing:\n" + "\n".join(found)
+
+
 def documented_layers() -> list[tuple[str, tuple[str, ...]]]:
     """docs/architecture.md's table of layers, bottom first, as LAYERS spells it (a row without a layer name
     continues the one above it; a parenthesis is a remark)."""
@@ -277,9 +293,12 @@ def test_utils_holds_the_bottom_and_subpackages_by_concern():
     """Only the bottom of the layers sits in utils/ itself: the bad-input error (__init__.py), the config schema,
     the launch environment, the stop signals, the collector at a script's start; the grid is utils/comm/ (its
     package holds the grid and, in __main__.py, its command); everything else is in a subpackage that says what
-    it holds."""
+    it holds: the core's by concern, and the two wings (weather, language), each its data and its task below the
+    layers of the core that read them."""
     loose = sorted(p.name for p in (ROOT / "utils").glob("*.py"))
     assert loose == ["__init__.py", "launch_env.py", "schema.py", "signals.py", "startup.py"]
     packages = sorted(p.parent.name for p in (ROOT / "utils").glob("*/__init__.py"))
     assert packages == ["bench", "checkpoints", "cli", "comm", "compare", "data", "doctor", "engine", "evaluate",
-                        "export", "forecast", "generate", "plan", "tasks"]
+                        "export", "forecast", "generate", "language", "plan", "tasks", "weather"]
+    for wing in ("weather", "language"):
+        assert sorted(p.parent.name for p in (ROOT / "utils" / wing).glob("*/__init__.py")) == ["data", "task"]

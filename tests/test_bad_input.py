@@ -118,14 +118,15 @@ def test_a_language_model_without_data_names_the_data_that_fits_it(script, args,
 
 
 def test_the_data_presets_an_error_offers_are_config_datas():
-    """utils.tasks.DATA_PRESETS (what the pairing error offers per data kind) is config/data/, preset for preset."""
+    """The tasks' DATA_PRESETS (what the pairing error offers per data kind) are config/data/, preset for preset."""
     import re
 
     from tests.helpers import ROOT
-    from utils.tasks import DATA_PRESETS
+    from utils.tasks import tasks
 
     kinds = {}
     for preset in sorted((ROOT / "config" / "data").glob("*.yaml")):
         (kind,) = re.findall(r"^\s*- (\w+)_schema$", preset.read_text(), re.M)
         kinds.setdefault(kind, set()).add(preset.stem)
-    assert {kind: set(presets) for kind, presets in DATA_PRESETS.items()} == kinds
+    offered = {kind: set(presets) for task in tasks().values() for kind, presets in task.DATA_PRESETS.items()}
+    assert offered == kinds

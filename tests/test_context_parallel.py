@@ -21,8 +21,8 @@ from networks.vit.model import ViT, ViTConfig
 from tests.helpers import run_ranks
 from tests.test_parallelize import _compare_grads
 from utils.comm import init_grid
+from utils.language.task.generate import greedy_decode
 from utils.schema import ParallelConfig
-from utils.tasks.generate import greedy_decode
 
 BATCH, EMBED, DEPTH = 2, 32, 2
 

@@ -44,8 +44,9 @@ HELP_TOOLS = {  # module -> the module whose main(argv) `python -m module` calls
     "utils.compare": "utils.compare.report", "utils.export": "utils.export.convert",
     "utils.forecast": "utils.forecast.report", "utils.generate": "utils.generate.command",
     "utils.bench.attention": "utils.bench.attention",
-    "utils.bench.collectives": "utils.bench.collectives", "utils.data.stats": "utils.data.stats",
-    "utils.data.era5_zarr_synthetic": "utils.data.era5_zarr_synthetic", "utils.data.prepare": "utils.data.prepare",
+    "utils.bench.collectives": "utils.bench.collectives", "utils.data.stats": "utils.weather.data.stats",
+    "utils.data.era5_zarr_synthetic": "utils.weather.data.era5_zarr_synthetic",
+    "utils.data.prepare": "utils.language.data.prepare",
     "utils.evaluate": "utils.evaluate.command"}
 # run as written (slow)
 DRY = ("python -m utils.comm ", "python -m utils.plan.layout ", "python -m utils.plan parallel=",

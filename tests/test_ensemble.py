@@ -1,4 +1,4 @@
-"""Ensemble scores and perturbations (utils/tasks/ensemble.py): the fair CRPS and the rank histogram against the
+"""Ensemble scores and perturbations (utils/weather/task/ensemble.py): the fair CRPS and the rank histogram against the
 independent `scores` library on random data, the spread-skill ratio by WeatherBench 2's definitions (and 1 for a
 reliable ensemble), and perturbations that are seeded, of unit variance and of the stated correlation."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils.tasks.ensemble import (
+from utils.weather.task.ensemble import (
     crps,
     gaussian_kernel,
     perturbation,

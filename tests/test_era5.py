@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from utils import ConfigError
-from utils.data.era5 import ERA5Config, ERA5Dataset
-from utils.data.era5_synthetic import ensure_synthetic
+from utils.weather.data.era5 import ERA5Config, ERA5Dataset
+from utils.weather.data.era5_synthetic import ensure_synthetic
 
 C, H, W = 3, 12, 20
 
@@ -111,7 +111,7 @@ PLAUSIBLE_RANGE = {"K": (180.0, 330.0), "Pa": (5.0e4, 1.1e5), "m/s": (-80.0, 80.
 
 
 def test_synthetic_fields_read_in_their_units(era5_root):
-    from utils.data.era5 import CHANNELS, nersc_channel
+    from utils.weather.data.era5 import CHANNELS, nersc_channel
 
     with h5py.File(era5_root / "train" / "2016.h5") as f:
         fields = f["fields"][:]

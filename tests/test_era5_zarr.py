@@ -1,4 +1,5 @@
-"""WeatherBench 2-layout zarr stores (utils/data/era5_zarr.py) against xarray on stores written here: channels by
+"""WeatherBench 2-layout zarr stores (utils/weather/data/era5_zarr.py) against xarray on stores written here: channels
+by
 name and level, rows north first from either order, a stride and a crop, splits by time ranges, hours from the
 time coordinate, the statistics command, and the one-line refusals; cell-area weights of real latitudes."""
 
@@ -13,11 +14,11 @@ import pytest
 
 from tests.helpers import ROOT
 from utils import ConfigError
-from utils.data import stats
-from utils.data.era5 import ERA5Config, NERSCReader, nersc_latitudes
-from utils.data.era5_zarr import ERA5ZarrConfig, stats_beside
-from utils.data.era5_zarr_synthetic import write_store
-from utils.data.fields import FieldPairs, cell_area_weights
+from utils.weather.data import stats
+from utils.weather.data.era5 import ERA5Config, NERSCReader, nersc_latitudes
+from utils.weather.data.era5_zarr import ERA5ZarrConfig, stats_beside
+from utils.weather.data.era5_zarr_synthetic import write_store
+from utils.weather.data.fields import FieldPairs, cell_area_weights
 
 xr = pytest.importorskip("xarray")
 
@@ -159,7 +160,7 @@ def test_cell_area_weights_follow_the_real_latitudes():
 
 
 def test_the_synthetic_nersc_copy_reports_its_generators_latitudes(era5_root):
-    from utils.data.era5_synthetic import latitudes
+    from utils.weather.data.era5_synthetic import latitudes
 
     cfg = ERA5Config(synthetic=True, root=str(era5_root), img_size=[32, 64])
     reader = cfg.open("valid")
@@ -169,7 +170,8 @@ def test_the_synthetic_nersc_copy_reports_its_generators_latitudes(era5_root):
 
 @pytest.mark.slow  # a fresh interpreter importing torch: 8 s on 2 loaded cores
 def test_the_project_imports_without_xarray():
-    code = ("import sys; import train, utils.tasks.weather, utils.data.era5_zarr, utils.data.stats; "
+    code = ("import sys; import train, utils.weather.task.weather, utils.weather.data.era5_zarr, "
+            "utils.weather.data.stats; "
             "assert 'xarray' not in sys.modules and 'zarr' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 

@@ -1,4 +1,5 @@
-"""Evaluation: `python -m utils.evaluate` (utils/evaluate/) and validation's bits per byte (utils/tasks/language.py).
+"""Evaluation: `python -m utils.evaluate` (utils/evaluate/) and validation's bits per byte
+(utils/language/task/language.py).
 
 - Items built so that the right choice is the model's own greedy continuation (a tiny random Llama whose logits
   are sharpened) and the wrong ones random words: accuracy 1.0 under every normalization.
@@ -26,11 +27,11 @@ from utils.checkpoints.hf import from_project, hf_config
 from utils.checkpoints.hf_stream import write_folder
 from utils.cli.config import load_config
 from utils.comm import Grid
-from utils.data.token_bytes import token_bytes
-from utils.data.tokenizers import BPETokenizer, PretrainedTokenizer
 from utils.evaluate.items import build_requests, read_items
 from utils.evaluate.scoring import choice_scores, log_likelihoods
-from utils.tasks.sampling import GREEDY, sample
+from utils.language.data.token_bytes import token_bytes
+from utils.language.data.tokenizers import BPETokenizer, PretrainedTokenizer
+from utils.language.task.sampling import GREEDY, sample
 
 WORDS = [f"w{i}" for i in range(40)]
 EOS = "<|endoftext|>"
@@ -60,7 +61,7 @@ def source(tmp_path_factory):
         model.norm.weight.mul_(40.0)  # peaked next-token distributions: the greedy continuation stands out
     folder = tmp / "hf"
     write_folder(folder, hf_config(cfg, len(vocab), tokenizer.eos_id),
-                 from_project(cfg, model.state_dict(), len(vocab)), tmp / "tokenizer.json")
+                 from_project(cfg, model.state_dict(), len(vocab)), [tmp / "tokenizer.json"])
     rng = random.Random(0)
     lines = []
     for _ in range(NUM_ITEMS):
@@ -132,7 +133,7 @@ def test_a_long_context_is_cut_on_the_left(source, tmp_path):
 
 
 def test_token_bytes_add_up_to_the_decoded_text():
-    from utils.data.tokenizers import WordTokenizer
+    from utils.language.data.tokenizers import WordTokenizer
 
     lines = ["the cat sat", "a zebra on the mat quietly", "caf\u00e9 na\u00efve"]
     word = WordTokenizer.train(lines)
@@ -177,7 +178,7 @@ def test_a_bad_item_is_one_line_naming_it(source, tmp_path):
 
 
 def test_validation_bits_per_byte_against_a_hand_computation():
-    from utils.tasks.language import LanguageTask
+    from utils.language.task.language import LanguageTask
 
     rng = random.Random(1)
     lines = [" ".join(rng.choices(["the", "cat", "sat", "on", "a", "mat", "zebra", "quietly"], k=7)) for _ in range(40)]

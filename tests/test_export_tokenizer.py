@@ -1,4 +1,4 @@
-"""The tokenizer export-hf writes beside the model (utils/data/tokenizers.py `hf_files`), for every tokenizer a
+"""The tokenizer export-hf writes beside the model (utils/language/data/tokenizers.py `hf_files`), for every tokenizer a
 language run trains with: the word vocabulary, the BPE, a Hugging Face tokenizer folder (tests/test_hf.py's
 workflow) and the copy beside token shards.
 
@@ -23,9 +23,9 @@ import torch
 from tests.helpers import corpus_lines, make_tokenizer, run_main
 from utils.cli.config import load_config
 from utils.cli.runs import run_digest
-from utils.data.token_bytes import token_bytes
-from utils.data.tokenizers import BPETokenizer, PretrainedTokenizer, WordTokenizer
 from utils.engine.build import build_run
+from utils.language.data.token_bytes import token_bytes
+from utils.language.data.tokenizers import BPETokenizer, PretrainedTokenizer, WordTokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,7 +87,7 @@ def test_transformers_reads_the_run_s_tokenizer(exported):
 
 def test_transformers_greedy_generation_equals_utils_generate(exported):
     from utils.generate.command import load
-    from utils.tasks.sampling import Sampling, sample
+    from utils.language.task.sampling import Sampling, sample
 
     _, step, folder, tokenizer = exported
     prompt = tokenizer.encode_batch([PROMPT])[0]
@@ -111,7 +111,7 @@ def test_transformers_greedy_generation_equals_utils_generate(exported):
 def cached_file(corpus_root: Path, kind: str) -> Path:
     """The run's tokenizer as the corpus's cache holds it (tokenizer-word-*.json, tokenizer-bpe<N>-*.json)."""
     from utils.data.cache import cache_folders
-    from utils.data.wikitext import load_tokenizer, locate
+    from utils.language.data.wikitext import load_tokenizer, locate
 
     data = load_config(["model=gpt_tiny", "data=wikitext_sample", f"data.root={corpus_root}",
                         f"data.tokenizer={kind}"])[0].data
@@ -158,12 +158,12 @@ def test_the_word_vocabulary_as_a_hf_tokenizer_splits_as_str_split(corpus_root):
 def test_shards_prepared_with_the_project_s_bpe_export_its_tokenizer(corpus_root, tmp_path):
     """prepare accepts the project's cached BPE file (its end token is <eos>); a data=tokens run on those shards
     exports the copy beside them, with a tokenizer_config.json naming <eos> and <unk>."""
-    from utils.data.tokenizers import hf_files
+    from utils.language.data.tokenizers import hf_files
 
     bpe = cached_file(corpus_root, "bpe")
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "docs.txt").write_text("\n\n".join(corpus_lines(corpus_root, "train")[:300]) + "\n")
-    code, _, err = run_main("utils.data.prepare", str(tmp_path / "in"), "--tokenizer", str(bpe), "--out",
+    code, _, err = run_main("utils.language.data.prepare", str(tmp_path / "in"), "--tokenizer", str(bpe), "--out",
                             str(tmp_path / "shards"))
     assert code == 0, err
     _, folder, _ = train_and_export(tmp_path / "run", "model=gpt_tiny", "data=tokens",

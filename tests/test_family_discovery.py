@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from networks.spec import ModelSpec
 from tests.toy_family.model import ToyConfig, ToyLM
-from utils.tasks.language import LanguageTask
+from utils.language.task.language import LanguageTask
 
 
 @dataclass

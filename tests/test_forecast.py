@@ -1,4 +1,4 @@
-"""Forecast skill (utils/tasks/forecast.py): WeatherBench 2's metrics against an independent computation on
+"""Forecast skill (utils/weather/task/forecast.py): WeatherBench 2's metrics against an independent computation on
 hand-made fields, rollouts under every kind of layout equal to one process, and the bad inputs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import QUIET, read_scalars, read_tags, run_main
 from tests.rank_pool import run_entry_ranks
-from utils.tasks.forecast import cell_area_weights, skill, skill_sums
+from utils.weather.task.forecast import cell_area_weights, skill, skill_sums
 
 ROLLOUT = [*QUIET, "trainer.max_steps=1", "task.eval.every=1", "task.eval.steps=3",
            "task.eval.inits=4", "trainer.global_batch_size=4", "data.limit_nsamples_val=4", "task.eval.members=2"]
@@ -137,7 +137,7 @@ def test_rollouts_feed_predictions_back_in_float32():
     float32 (rounded to bf16 once per step, not carried in bf16), and the forecast kept is float32."""
     from utils.comm import init_grid
     from utils.schema import ParallelConfig
-    from utils.tasks.forecast import rollout_skill
+    from utils.weather.task.forecast import rollout_skill
 
     conv = torch.nn.Conv2d(3, 3, 1)
     inputs, outputs = [], []

@@ -86,10 +86,10 @@ def test_the_groups_read_back_with_xarray(suffix, tmp_path):
 
 def test_rmse_from_the_file_equals_the_metrics(tmp_path):
     """scores.continuous.rmse over time, latitude and longitude with WB2's weights of the file's latitudes: the
-    RMSE of utils/tasks/forecast.py (sqrt of the time mean of the weighted MSE) at every lead and channel."""
+    RMSE of utils/weather/task/forecast.py (sqrt of the time mean of the weighted MSE) at every lead and channel."""
     scores = pytest.importorskip("scores")
-    from utils.data.fields import cell_area_weights
-    from utils.tasks.forecast import skill, skill_sums
+    from utils.weather.data.fields import cell_area_weights
+    from utils.weather.task.forecast import skill, skill_sums
 
     f, o = _fields(4, 3, seed=1), _fields(4, 3, seed=2)
     times = init_times(["2018.h5"], [(0, t) for t in range(4)], 6.0)

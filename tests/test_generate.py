@@ -1,4 +1,5 @@
-"""Sampling (utils/tasks/sampling.py) and `python -m utils.generate` (utils/generate/command.py), on tiny random models.
+"""Sampling (utils/language/task/sampling.py) and `python -m utils.generate` (utils/generate/command.py), on tiny
+random models.
 
 - The KV cache: the logits each token is chosen from equal the uncached ones (fp32, 1e-5) and greedy tokens are
   identical, for GPT (learned positions) and Llama (rotary, grouped K/V); the first logits equal the training
@@ -20,7 +21,7 @@ import torch
 from networks.transformer import GPT
 from tests.helpers import QUIET, make_tokenizer, run_main
 from utils.cli.config import load_config
-from utils.tasks.sampling import GREEDY, Sampling, choose, sample, top_p_mask
+from utils.language.task.sampling import GREEDY, Sampling, choose, sample, top_p_mask
 
 VOCAB = 100
 PROMPTS = [[5, 17, 3, 42, 8, 9, 11], [7, 2], [60, 61, 62, 63]]
@@ -158,7 +159,7 @@ def test_the_command_samples_a_hugging_face_folder_as_transformers_does(tmp_path
     code, out, err = run_main("utils.generate.command", str(folder), "--prompt", "The city of", "--temperature", "0",
                               "--max-new-tokens", "10")
     assert code == 0, err
-    from utils.data.tokenizers import PretrainedTokenizer
+    from utils.language.data.tokenizers import PretrainedTokenizer
 
     tokenizer = PretrainedTokenizer.load(str(folder))
     ids = tokenizer.encode_batch(["The city of"])

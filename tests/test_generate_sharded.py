@@ -1,4 +1,5 @@
-"""`python -m utils.generate` launched on several ranks: sampling under tensor parallelism (utils/tasks/sampling.py
+"""`python -m utils.generate` launched on several ranks: sampling under tensor parallelism
+(utils/language/task/sampling.py
 `sample(tp=...)`, the model built by utils/engine/session.py).
 
 - tp2 on 2 gloo ranks, KV cache on, a padded batch: the logits each token is chosen from equal one process's
@@ -23,9 +24,9 @@ from tests.helpers import run_main, run_ranks
 from utils.checkpoints.hf import from_project, hf_config
 from utils.checkpoints.hf_stream import write_folder
 from utils.cli.config import load_config
-from utils.data.tokenizers import PretrainedTokenizer
 from utils.engine.session import open_model
-from utils.tasks.sampling import GREEDY, Sampling, sample
+from utils.language.data.tokenizers import PretrainedTokenizer
+from utils.language.task.sampling import GREEDY, Sampling, sample
 
 WORDS = [f"w{i}" for i in range(40)]
 PROMPTS = ["w1 w2 w3 w4 w5 w6", "w7", "w8 w9 w10"]
@@ -46,7 +47,7 @@ def hf_folder(tmp: Path, preset: str, **model) -> Path:
     torch.manual_seed(0)
     net = GPT(cfg, len(vocab)).eval()
     write_folder(tmp / "hf", hf_config(cfg, len(vocab), 0), from_project(cfg, net.state_dict(), len(vocab)),
-                 tmp / "tokenizer.json")
+                 [tmp / "tokenizer.json"])
     (tmp / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     return tmp / "hf"
 

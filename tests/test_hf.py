@@ -25,9 +25,9 @@ from utils.checkpoints import hf
 from utils.checkpoints.hf_stream import write_folder
 from utils.checkpoints.sharded_state import read_full
 from utils.comm import Axis, Grid
-from utils.data.tokenizers import PretrainedTokenizer
 from utils.export.convert import main as export_main
-from utils.tasks.generate import greedy_decode
+from utils.language.data.tokenizers import PretrainedTokenizer
+from utils.language.task.generate import greedy_decode
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ import torch
 from networks.vit.model import RelativeL2Loss, ViT, ViTConfig
 from utils import ConfigError
 from utils.cli.config import load_config
-from utils.tasks.weather_metrics import weighted_rmse
+from utils.weather.task.weather_metrics import weighted_rmse
 
 
 def test_vit_maps_fields_to_fields():

@@ -12,8 +12,8 @@ from networks.documents import Documents, pack_ids, unpack_ids
 from networks.transformer import GPT, GPTConfig, LlamaConfig
 from tests.test_wikitext import write_text
 from utils import ConfigError
-from utils.data.packing import document_starts, is_title
-from utils.data.wikitext import WikiTextConfig, load_wikitext
+from utils.language.data.packing import document_starts, is_title
+from utils.language.data.wikitext import WikiTextConfig, load_wikitext
 
 ARTICLE = [" = Title {i} = ", " ", " words of article {i} go here . ", " = = Part = = ", " more {i} text . "]
 

@@ -1,5 +1,5 @@
-"""The rollout evaluation's spectra and ensemble (utils/tasks/forecast.py `rollout_skill(spectra=...)`,
-utils/tasks/ensemble.py `ensemble_skill`): the spectra are those of the kept forecasts and truths, the ensemble's
+"""The rollout evaluation's spectra and ensemble (utils/weather/task/forecast.py `rollout_skill(spectra=...)`,
+utils/weather/task/ensemble.py `ensemble_skill`): the spectra are those of the kept forecasts and truths, the ensemble's
 scores are the forecast command's (the same perturbations, scored from whole rollouts), and a 2-rank data-parallel
 layout, whose second rank pads its share of three initial times, gives one process's numbers."""
 
@@ -13,10 +13,10 @@ import torch
 
 from tests.helpers import run_ranks
 from utils.comm import Grid
-from utils.data.fields import cell_area_weights
-from utils.tasks import spectra as spectral
-from utils.tasks.ensemble import ensemble_skill
-from utils.tasks.forecast import rollout_skill
+from utils.weather.data.fields import cell_area_weights
+from utils.weather.task import spectra as spectral
+from utils.weather.task.ensemble import ensemble_skill
+from utils.weather.task.forecast import rollout_skill
 
 MEMBERS = dict(members=3, std=0.1, length=1.0, seed=4)
 

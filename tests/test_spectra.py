@@ -1,4 +1,4 @@
-"""Zonal energy spectra (utils/tasks/spectra.py, WeatherBench 2's ZonalEnergySpectrum): a pure zonal wave has
+"""Zonal energy spectra (utils/weather/task/spectra.py, WeatherBench 2's ZonalEnergySpectrum): a pure zonal wave has
 energy at its wavenumber only, Parseval's relation holds with the circle's length, the numbers match a
 two-sided FFT written out with numpy, and a smoothed forecast's blurring figure is below 1."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from utils.tasks.spectra import (
+from utils.weather.task.spectra import (
     EARTH_RADIUS_M,
     band_mean,
     blurring,

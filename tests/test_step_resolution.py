@@ -106,8 +106,8 @@ def test_generate_reads_a_run_directory_and_warns_of_unknown_words(gpt_run):
 
 def test_unknown_words_of_each_kind_of_tokenizer(corpus_root, tmp_path):
     from tests.helpers import make_tokenizer
-    from utils.data.tokenizers import PretrainedTokenizer, WordTokenizer
     from utils.generate.command import unknown_warning, unknown_words
+    from utils.language.data.tokenizers import PretrainedTokenizer, WordTokenizer
 
     words = WordTokenizer.train(["the cat sat"])
     assert unknown_words(words, ["the dog sat", "a cat dog"]) == ["dog", "a"]
@@ -207,7 +207,7 @@ def test_forecast_reads_a_run_directory_and_its_summary_says_what_the_numbers_me
             for r in csv.DictReader((out / "metrics.csv").open())}
     lines = printed.splitlines()
     assert lines[0].startswith("wrote ") and len(lines) == 5, printed
-    units = {"u10m": "m/s", "t2m": "K", "z500": "m^2/s^2"}  # the NERSC channel table (utils/data/era5.py)
+    units = {"u10m": "m/s", "t2m": "K", "z500": "m^2/s^2"}  # the NERSC channel table (utils/weather/data/era5.py)
     for line, channel in zip(lines[1:4], units, strict=True):
         at = {h: tuple(f"{rmse[(channel, h, name)]:.4g}" for name in ("model", "persistence")) for h in ("6", "12")}
         assert line.startswith(f"{channel} ({units[channel]}): RMSE {at['6'][0]} at 6 h (persistence {at['6'][1]}), "

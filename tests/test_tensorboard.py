@@ -14,7 +14,7 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 from tests.test_precision import make_trainer
 from utils.engine.logger import FIRST_SCREEN
-from utils.tasks.figures import field_panels
+from utils.weather.task.figures import field_panels
 
 pytestmark = pytest.mark.slow  # trains through the entry points or launches processes
 

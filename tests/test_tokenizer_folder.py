@@ -15,10 +15,10 @@ from tokenizers import Tokenizer
 
 from tests.helpers import QUIET, TINY_GPT, corpus_lines, make_tokenizer, run_entry, run_main
 from utils import ConfigError
-from utils.data import wikitext as wt
-from utils.data.corpus import ensure_sample_corpus
-from utils.data.tokenizers import PretrainedTokenizer
-from utils.data.wikitext import WikiTextConfig, load_wikitext
+from utils.language.data import wikitext as wt
+from utils.language.data.corpus import ensure_sample_corpus
+from utils.language.data.tokenizers import PretrainedTokenizer
+from utils.language.data.wikitext import WikiTextConfig, load_wikitext
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,10 @@ from networks.documents import DOC_START
 from tests.helpers import QUIET, ROOT, corpus_lines, make_tokenizer, read_scalars, run_entry, run_main
 from utils import ConfigError
 from utils.data.batching import GlobalBatchSampler, build_loaders
-from utils.data.shards import ShardStream, ShardWriter, read_index
-from utils.data.tokenizers import PretrainedTokenizer
-from utils.data.tokens import TokensConfig, load_tokens
-from utils.data.wikitext import WikiTextConfig, load_wikitext
+from utils.language.data.shards import ShardStream, ShardWriter, read_index
+from utils.language.data.tokenizers import PretrainedTokenizer
+from utils.language.data.tokens import TokensConfig, load_tokens
+from utils.language.data.wikitext import WikiTextConfig, load_wikitext
 
 EOS = "<|endoftext|>"
 
@@ -63,7 +63,7 @@ def write_inputs(folder: Path, lines: list[str]) -> dict[str, list[str]]:
 
 
 def prepare(inputs: list[Path | str], tokenizer: Path, out: Path, *extra: str) -> str:
-    code, stdout, stderr = run_main("utils.data.prepare", *map(str, inputs), "--tokenizer", str(tokenizer),
+    code, stdout, stderr = run_main("utils.language.data.prepare", *map(str, inputs), "--tokenizer", str(tokenizer),
                                     "--out", str(out), *extra)
     assert code == 0, stderr
     return stdout
@@ -177,9 +177,11 @@ def test_prepare_bad_input_is_one_line(prepared, tokenizer, argv, setting, monke
     (base / "bad" / "x.csv").write_text("a,b\n")
     (base / "bad" / "empty.txt").write_text("\n\n")
     monkeypatch.chdir(base)
-    code, _, err = run_main("utils.data.prepare", *argv, "--tokenizer", str(tokenizer), "--out", str(base / "bad_out"))
+    code, _, err = run_main("utils.language.data.prepare", *argv, "--tokenizer", str(tokenizer), "--out",
+                            str(base / "bad_out"))
     assert code == 2 and err.startswith("error: ") and f"({setting})" in err and err.count("\n") == 1, err
-    code, _, err = run_main("utils.data.prepare", "in/a.txt", "--tokenizer", str(base), "--out", str(base / "bad_out"))
+    code, _, err = run_main("utils.language.data.prepare", "in/a.txt", "--tokenizer", str(base), "--out",
+                            str(base / "bad_out"))
     assert code == 2 and "(--tokenizer)" in err
 
 
@@ -256,7 +258,7 @@ MEMORY_SCRIPT = """
 import sys
 import numpy as np
 from pathlib import Path
-from utils.data.shards import ShardStream, check_shards, held_out_split, read_index
+from utils.language.data.shards import ShardStream, check_shards, held_out_split, read_index
 index = read_index(Path(sys.argv[1]))
 check_shards(index, checksum=True)
 train, valid = held_out_split(index, 0.01)

@@ -145,7 +145,7 @@ def test_pp_refuses_a_loss_its_last_stage_would_not_compute(corpus_root, monkeyp
     """A task whose training loss is not criterion(model(x), y) (an auxiliary term, several calls): pp exits 2."""
     from utils import ConfigError
     from utils.cli.config import load_config
-    from utils.tasks.language import LanguageTask
+    from utils.language.task.language import LanguageTask
 
     with_toy()
     monkeypatch.setattr(LanguageTask, "loss_is_criterion", staticmethod(lambda cfg: False))

@@ -8,7 +8,7 @@ from networks.blocks import Block, SequenceRegion
 from networks.transformer import GPT, CausalLMLoss, GPTConfig, check_seq_len, padded_vocab_size
 from utils import ConfigError
 from utils.comm import Grid
-from utils.tasks.generate import greedy_decode
+from utils.language.task.generate import greedy_decode
 
 SERIAL_TP = Grid.serial().axis("tp")
 

@@ -9,8 +9,8 @@ import pytest
 
 from tests.helpers import NARROW, QUIET, read_scalars
 from tests.rank_pool import run_entry_ranks
-from utils.data import stats
-from utils.data.era5_zarr_synthetic import write_store
+from utils.weather.data import stats
+from utils.weather.data.era5_zarr_synthetic import write_store
 
 pytestmark = pytest.mark.slow  # trains through the entry point
 

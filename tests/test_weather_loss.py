@@ -1,6 +1,6 @@
-"""The weather task's losses (utils/tasks/weather_loss.py) against GraphCast's definition written out here, the
+"""The weather task's losses (utils/weather/task/weather_loss.py) against GraphCast's definition written out here, the
 default left the seed's, the weights built on meta and computed on the device; and the task's own settings
-(utils/tasks/weather.py): the forecast evaluation is resume-safe, the language task has none of them."""
+(utils/weather/task/weather.py): the forecast evaluation is resume-safe, the language task has none of them."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from networks.vit.model import RelativeL2Loss
 from utils.checkpoints.run_dir import differences
 from utils.cli.config import load_config
 from utils.cli.runs import override_digest
-from utils.data.era5 import CHANNELS, nersc_channel
-from utils.data.fields import Channel, cell_area_weights
 from utils.engine.materialize import materialize
 from utils.tasks import build_task
-from utils.tasks.weather_loss import GRAPHCAST_WEIGHTS, WeightedMSE, channel_weights, loss_table
+from utils.weather.data.era5 import CHANNELS, nersc_channel
+from utils.weather.data.fields import Channel, cell_area_weights
+from utils.weather.task.weather_loss import GRAPHCAST_WEIGHTS, WeightedMSE, channel_weights, loss_table
 
 CHANNELS_ZARR = [Channel("2m_temperature", "2m_temperature", None, "K"),
                  Channel("10m_u_component_of_wind", "10m_u_component_of_wind", None, "m/s"),

@@ -12,9 +12,9 @@ import torch
 
 from utils import ConfigError
 from utils.data import cache as data_cache
-from utils.data import corpus
-from utils.data import wikitext as wt
-from utils.data.wikitext import LMBlockDataset, WikiTextConfig, load_wikitext, unigram_perplexity
+from utils.language.data import corpus
+from utils.language.data import wikitext as wt
+from utils.language.data.wikitext import LMBlockDataset, WikiTextConfig, load_wikitext, unigram_perplexity
 
 TRAIN = [" ", " = Valid Heading = ", " ", " the cat sat on the mat . ", " ", " the dog sat on a <unk> . ",
          " = = Section = = ", " a cat and a dog , 1 @,@ 200 in all . "] * 4

@@ -7,7 +7,7 @@ from networks.layout import check_heads
 from networks.spec import ModelSpec
 from tests.toy_family.hf import ToyExchange
 from tests.toy_family.model import ToyConfig, ToyLM
-from utils.tasks.language import LanguageTask
+from utils.language.task.language import LanguageTask
 
 
 def _build(cfg: ToyConfig, task: LanguageTask) -> ToyLM:

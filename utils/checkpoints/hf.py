@@ -24,10 +24,7 @@ import torch
 from networks.exchange import HFAdapter, Rule, assemble, disassemble, stored_shapes
 from networks.spec import ModelSpec
 from utils import ConfigError, require
-from utils.data.tokenizers import COMPANIONS
 from utils.tasks.registry import families, spec_of
-
-TOKENIZER_FILES = ("tokenizer.json", *COMPANIONS)
 
 
 # ---------------------------------------------------------------------------------------------- folders

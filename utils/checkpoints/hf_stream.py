@@ -152,19 +152,15 @@ def write_weights(folder: Path, weights: WeightStream, shard_bytes: int = SHARD_
     return len(names)
 
 
-def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor] | WeightStream, tokenizer: Path | None,
-                 shard_bytes: int | None = None) -> None:
+def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor] | WeightStream,
+                 beside: Iterable[Path] | None = (), shard_bytes: int | None = None) -> None:
     """config.json, the weights (all given, or a stream produced a shard at a time: hf_stream.write_weights; one
-    file, or shards past `shard_bytes`) and (from `tokenizer`, a folder or a tokenizer.json) the tokenizer files."""
+    file, or shards past `shard_bytes`) and copies of the files `beside` (a tokenizer.json, ...)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if isinstance(tensors, dict):
         tensors = WeightStream({k: t.numel() * t.element_size() for k, t in tensors.items()},
                                lambda key, held=tensors: {key: held[key]})
     write_weights(folder, tensors, shard_bytes or SHARD_BYTES)
-    if tokenizer is not None:
-        source = tokenizer if tokenizer.is_dir() else tokenizer.parent
-        names = hf.TOKENIZER_FILES if tokenizer.is_dir() else (tokenizer.name,)
-        for name in names:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, folder / name)
+    for file in beside or ():
+        shutil.copyfile(file, folder / file.name)

@@ -37,7 +37,8 @@ RESUME_SAFE = ("run.", "trainer.stop_at_step", "trainer.resume", "trainer.log_ev
                "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.num_workers", "trainer.worker_start",
                "trainer.preempt_deadline_s", "trainer.hang_timeout_s", "trainer.profile", "precision.compile",
                "trainer.activation_checkpointing", "trainer.ckpt_async", "trainer.grad_accum_steps", "data.root",
-               "data.cache_dir", "data.sample_tokens", "task.eval.",  # the forecast evaluation (utils/tasks/weather.py)
+               "data.cache_dir", "data.sample_tokens",
+               "task.eval.",  # the forecast evaluation (utils/weather/task/weather.py)
                "parallel.")  # checkpoints load under any layout (utils/checkpoints/checkpointer.py)
 
 

@@ -1,6 +1,6 @@
 """Build-once caches on shared file systems: the first finished copy wins, other ranks wait and reuse it.
 
-Tokenizers and token ids (utils/data/wikitext.py) are cached beside the data, or in a per-corpus user
+Tokenizers and token ids (utils/language/data/wikitext.py) are cached beside the data, or in a per-corpus user
 cache folder when the data folder is read-only; the synthetic datasets are generated into the user
 cache (`user_cache_dir`).
 """

@@ -21,7 +21,7 @@ re-derived from (seed, step, rank), as for a checkpoint of another layout.
 Hugging Face (utils/checkpoints/hf.py): export-hf writes config.json, model.safetensors (shards listed by
 model.safetensors.index.json past --shard-mib; read and written a tensor at a time) and the tokenizer the run
 trained with (word, bpe, a tokenizer folder, the shards' copy; or --tokenizer) as tokenizer.json and
-tokenizer_config.json (utils/data/tokenizers.py `hf_files`), of a GPT-2 or Llama run, which transformers'
+tokenizer_config.json (utils/language/data/tokenizers.py `hf_files`), of a GPT-2 or Llama run, which transformers'
 `from_pretrained` loads (AutoModelForCausalLM, AutoTokenizer); import-hf writes a checkpoint of the model
 weights at step 0, for a new run with `trainer.init_from=<its step folder>` (or give the folder itself:
 `trainer.init_from=hf/<name>`), and prints the model settings that run needs.
@@ -44,7 +44,7 @@ from utils.checkpoints.hf_stream import SHARD_BYTES, WeightStream, write_folder
 from utils.checkpoints.run_dir import resolve_step
 from utils.checkpoints.sharded_state import SafeReader, iter_full
 from utils.comm import Grid
-from utils.data.tokenizers import AnyTokenizer, hf_files, load_file, special_ids
+from utils.language.data.tokenizers import TOKENIZER_FILES, AnyTokenizer, hf_files, load_file, special_ids
 
 IMPORTED = "imported from a single-process file"  # the `layout` an imported checkpoint records
 IMPORTED_HF = "imported from a Hugging Face folder"
@@ -139,7 +139,7 @@ def export_hf(folder: Path, out: Path, tokenizer: Path | None = None, shard_byte
     files = hf_files(tok)  # all of the tokenizer's files are made before anything is written
     config = hf.hf_config(model, vocab, **special_ids(files))
     write_folder(out, config, checkpoint_stream(folder, model, vocab), None, shard_bytes)
-    for name in hf.TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         (out / name).unlink(missing_ok=True)  # an earlier export's would be read beside these
     for name, content in files.items():
         (out / name).write_bytes(content)
@@ -156,7 +156,7 @@ def run_tokenizer(data, tokenizer: Path | None) -> AnyTokenizer:
         except ConfigError as err:
             raise ConfigError(err.what, "--tokenizer", err.fix) from None
     try:
-        return data.trained_tokenizer()  # a text source's (utils/data/text.py)
+        return data.trained_tokenizer()  # a text source's (utils/language/data/text.py)
     except ConfigError as err:
         if data.kind == "tokens" or data.tokenizer not in ("word", "bpe"):
             raise

@@ -36,7 +36,7 @@ MEMBER_DIM = "number"  # WeatherBench 2's evaluate.py default ensemble dimension
 
 @dataclass(frozen=True)
 class Channel:
-    """A channel as the dataset names it (the fields of utils/data/fields.py's Channel)."""
+    """A channel as the dataset names it (the fields of utils/weather/data/fields.py's Channel)."""
 
     name: str  # the channel's own name (z500, geopotential@500)
     variable: str  # the dataset variable it belongs to

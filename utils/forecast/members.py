@@ -1,7 +1,7 @@
 """The forecast command's ensemble (`--members M`): M rollouts from perturbed initial states, scored against the
-deterministic (control) forecast with WeatherBench 2's probabilistic scores (utils/tasks/ensemble.py).
+deterministic (control) forecast with WeatherBench 2's probabilistic scores (utils/weather/task/ensemble.py).
 
-Each member is the same rollout as the control (utils/tasks/forecast.py `rollout_skill`), its initial states read
+Each member is the same rollout as the control (utils/weather/task/forecast.py `rollout_skill`), its initial states read
 through `PerturbedRollouts`. Files written beside metrics.csv:
 
     ensemble.md/.csv        per channel and lead: CRPS of the ensemble and of the control (a one-member CRPS is
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from utils.tasks.ensemble import crps, perturbed, rank_histogram, spread_skill, spread_skill_sums
+from utils.weather.task.ensemble import crps, perturbed, rank_histogram, spread_skill, spread_skill_sums
 
 COLUMNS = ("crps", "crps_control", "rmse_mean", "rmse_control", "spread", "spread_skill")
 
 
 class PerturbedRollouts:
-    """A rollouts object (utils/tasks/forecast.py `Rollouts`) whose initial states carry member `member`'s
+    """A rollouts object (utils/weather/task/forecast.py `Rollouts`) whose initial states carry member `member`'s
     perturbation; everything else is the wrapped object's."""
 
     def __init__(self, rollouts, member: int, std: float, length: float, seed: int):
@@ -43,7 +43,7 @@ def run_members(model, rollouts, num_members: int, std: float, length: float, se
     import contextlib
 
     from utils.comm import Grid
-    from utils.tasks.forecast import rollout_skill
+    from utils.weather.task.forecast import rollout_skill
 
     members = []
     for member in range(num_members):

@@ -1,13 +1,13 @@
 """The forecast command's spectra, ensemble tables and WeatherBench 2 dataset (beside report.py's HDF5 file,
 metrics and skill figures):
 
-    spectra.csv              per channel and lead: the blurring figure (utils/tasks/spectra.py: forecast / truth
+    spectra.csv              per channel and lead: the blurring figure (utils/weather/task/spectra.py: forecast / truth
                              of the mid-latitude zonal energy spectra over the highest quarter of wavenumbers)
     spectra_<channel>.png    forecast and truth spectra at a few leads (u10m, t2m, z500: those the data has)
     ensemble.md/.csv, rank_histogram.csv   with --members M (members.py; ensemble.md with each channel's units)
     --output PATH            the forecast, its truth and the members in WeatherBench 2's layout (dataset.py)
 
-The grid, the channels' variables and the initial times come from the rollouts' reader (utils/data/fields.py).
+The grid, the channels' variables and the initial times come from the rollouts' reader (utils/weather/data/fields.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from utils.forecast import dataset, members
-from utils.tasks import spectra
-from utils.tasks.figures import lead_spectra_panel
+from utils.weather.task import spectra
+from utils.weather.task.figures import lead_spectra_panel
 
 
 def init_times(rollouts) -> np.ndarray:
@@ -73,7 +73,7 @@ def write_dataset(path: Path, result: dict, leads: list[float], checkpoint: Path
 
 def write_ensemble(out: Path, result: dict, leads: list[float]) -> tuple[list[Path], dict[str, torch.Tensor]]:
     """The ensemble's tables (members.py), scored with the deterministic metrics' latitude weights."""
-    from utils.data.fields import cell_area_weights
+    from utils.weather.data.fields import cell_area_weights
 
     weights = cell_area_weights(result["task"].rollouts.latitudes)
     scores = members.ensemble_scores(result["members"], result["forecasts"], result["truths"], weights)

@@ -5,20 +5,20 @@ checkpoints/ or checkpoints/latest: the step folder it names (the newest complet
 run_dir.py `resolve_step`; the step taken is printed on stderr). The run's config.yaml gives the model and the
 data (`data.root=PATH` and other `data.` settings may be given after the options). From the `--init` initial
 times (a count, evenly spaced over the validation split, or their indices in the split: `--init 0,12,24`) the
-model rolls out `--steps` steps of data.dt (utils/tasks/forecast.py, WeatherBench 2's definitions), and DIR
+model rolls out `--steps` steps of data.dt (utils/weather/task/forecast.py, WeatherBench 2's definitions), and DIR
 receives:
 
     forecast.h5      `forecast` and `truth` [inits, steps, C, H, W] float32 in physical units, `init` [inits, 2]
                      (file index, time index), attributes `channels`, `lead_hours`, `checkpoint`
     metrics.md/.csv  RMSE, ACC and bias per channel and lead: the model, persistence and climatology (metrics.md
-                     with each channel's units, the reader's channel table: utils/data/fields.py `Channel`)
+                     with each channel's units, the reader's channel table: utils/weather/data/fields.py `Channel`)
     skill_<channel>.png   RMSE and ACC against lead time (u10m, t2m, z500: those the data has)
     map_<channel>_<lead>h.png   prediction, truth and error of the first initial time at `--map-leads`
     spectra.csv, spectra_<channel>.png   zonal energy spectra of forecast and truth and the blurring figure
-                     (utils/tasks/spectra.py; outputs.py)
+                     (utils/weather/task/spectra.py; outputs.py)
     ensemble.md/.csv, rank_histogram.csv   with `--members M`: M rollouts from perturbed initial states
                      (`--perturbation-std`, `--perturbation-length`, `--seed`) scored against the control forecast
-                     by CRPS, spread-skill and rank histograms (utils/tasks/ensemble.py; members.py), with units
+                     by CRPS, spread-skill and rank histograms (utils/weather/task/ensemble.py; members.py), with units
     --output PATH    with `--output forecast.zarr` (or .nc; a relative path lies in DIR): the forecast, its truth
                      and the members in WeatherBench 2's layout (dataset.py), for xarray and WB2's evaluation
 
@@ -70,8 +70,8 @@ def forecast(args) -> dict:
 
     from utils.comm import Grid
     from utils.engine.session import open_model
-    from utils.tasks.forecast import Rollouts, rollout_skill
-    from utils.tasks.weather import ForecastEvalConfig, WeatherTaskConfig
+    from utils.weather.task.forecast import Rollouts, rollout_skill
+    from utils.weather.task.weather import ForecastEvalConfig, WeatherTaskConfig
 
     times = None if "," not in args.init and args.init.strip().isdigit() else args.init.split(",")
     require(all(t.strip().isdigit() for t in (times or [args.init])) and args.steps > 0 and (times or int(args.init)),
@@ -136,8 +136,8 @@ def write_outputs(args, result: dict) -> list[Path]:
     import h5py
     import numpy as np
 
-    from utils.tasks.figures import field_panels, skill_panels
-    from utils.tasks.weather import SKILL_CHANNELS
+    from utils.weather.task.figures import field_panels, skill_panels
+    from utils.weather.task.weather import SKILL_CHANNELS
 
     task, skill, out = result["task"], result["skill"], args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ def summary(args, result: dict) -> list[str]:
     the first) with its units the RMSE at the first and last lead beside persistence's (the initial state held,
     scored against the same truths), the blurring at the last lead and, with members, the CRPS and spread-skill
     ratio there; last, what good values are."""
-    from utils.tasks.weather import SKILL_CHANNELS
+    from utils.weather.task.weather import SKILL_CHANNELS
 
     task, skill, members = result["task"], result["skill"], result["members"]
     channels, units, leads = task.channels, channel_units(task), task.lead_hours(args.steps)

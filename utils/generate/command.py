@@ -12,7 +12,7 @@ any layout; the model's entries only), with the run's model settings (config.yam
 (`data.tokenizer`: the word or BPE vocabulary trained on the run's corpus, found in its cache, or the tokenizer
 folder it named; `--tokenizer` overrides). A Hugging Face folder (of a family with an adapter: GPT-2, Llama)
 brings its tokenizer.json. `--prompts FILE` holds one prompt per line, sampled as one batch (`--padding
-left|right`: the result is the same). Sampling, the KV cache and the padding are utils/tasks/sampling.py's.
+left|right`: the result is the same). Sampling, the KV cache and the padding are utils/language/task/sampling.py's.
 Launched on several ranks (torchrun; `python train_mp.py` starts only train.py), the model is built tensor
 parallel over them as training builds it (`Opened.sharded`: tp = the ranks, no sequence parallelism), each rank
 holding its heads and their KV cache; every rank picks the same tokens and rank 0 prints. Each sample prints as
@@ -35,8 +35,8 @@ import torch
 
 from utils import ConfigError, exit_bad_input, require
 from utils.comm import Axis, AxisGroup
+from utils.language.task.sampling import PADDINGS, Sampling, sample
 from utils.launch_env import launch_env
-from utils.tasks.sampling import PADDINGS, Sampling, sample
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Source:
     """A model ready to sample from, and the tokenizer of its vocabulary."""
 
     model: torch.nn.Module  # the family's model (or this rank's shards of it), eval mode
-    tokenizer: object  # utils.data.tokenizers.AnyTokenizer
+    tokenizer: object  # utils.language.data.tokenizers.AnyTokenizer
     eos_id: int | None
 
 
@@ -84,7 +84,7 @@ def read_prompts(args) -> list[str]:
 
 
 def load_tokenizer_file(path: Path):
-    from utils.data.tokenizers import PretrainedTokenizer
+    from utils.language.data.tokenizers import PretrainedTokenizer
 
     try:
         return PretrainedTokenizer.load(str(path))

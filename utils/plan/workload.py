@@ -25,7 +25,7 @@ from utils import require
 # model preset -> (vocabulary of the published model the preset is shaped after, whose tokenizer)
 PUBLISHED_VOCAB = {"gpt_small": (50257, "GPT-2's"), "gpt_medium": (50257, "GPT-2's"),
                    "llama_1b": (128256, "Llama 3's"), "llama_8b": (128256, "Llama 3's")}
-DEFAULT_VOCAB = 50257  # GPT-2's: the language task's vocabulary without data (utils/tasks/language.py)
+DEFAULT_VOCAB = 50257  # GPT-2's: the language task's vocabulary without data (utils/language/task/language.py)
 BATCH = "trainer.global_batch_size"
 
 
@@ -53,7 +53,7 @@ class Workload:
 def resolve_vocab(cfg, model_preset: str | None, flag: int | None) -> tuple[int | None, str]:
     """(vocabulary, where it comes from) of cfg's model (see the module docstring); (None, "") for a model that
     reads none (then --vocab is refused)."""
-    from utils.data.tokens import TokensConfig
+    from utils.language.data.tokens import TokensConfig
     from utils.tasks import build_task
 
     task = build_task(cfg, load_data=False)
@@ -68,7 +68,7 @@ def resolve_vocab(cfg, model_preset: str | None, flag: int | None) -> tuple[int 
         if data.root:
             from pathlib import Path
 
-            from utils.data.shards import read_index
+            from utils.language.data.shards import read_index
 
             index = read_index(Path(data.root).expanduser())
             return index.vocab_size, f"the tokenizer of data.root's index.json, {index.tokenizer.get('name', '?')}"
@@ -76,7 +76,7 @@ def resolve_vocab(cfg, model_preset: str | None, flag: int | None) -> tuple[int 
     elif tokenizer == "bpe":
         return data.bpe_vocab_size, "data.bpe_vocab_size, the most the BPE trained on the corpus has"
     elif tokenizer != "word":
-        from utils.data.tokenizers import PretrainedTokenizer
+        from utils.language.data.tokenizers import PretrainedTokenizer
 
         return PretrainedTokenizer.load(tokenizer).vocab_size, f"data.tokenizer={tokenizer}"
     else:

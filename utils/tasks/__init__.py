@@ -8,6 +8,9 @@ sample and runs its own validation metrics; the trainer is the same for every ta
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -18,9 +21,7 @@ from networks.spec import ModelSpec
 from utils import ConfigError, require
 from utils.comm import Grid
 from utils.schema import Config
-from utils.tasks.language import LanguageTask
 from utils.tasks.registry import MODELS, spec_of
-from utils.tasks.weather import WeatherTask
 
 
 class Task(Protocol):
@@ -29,6 +30,8 @@ class Task(Protocol):
     DATA_KIND: ClassVar[str]  # the `data.kind` it trains on (its first source's)
     DATA_NAME: ClassVar[str]  # as messages name that data
     DATA_SCHEMAS: ClassVar[dict[str, type]]  # data.kind -> the data config dataclass of each source it reads
+    # data.kind -> its presets in config/data/, those that need no data first: what a one-line error offers
+    DATA_PRESETS: ClassVar[dict[str, tuple[str, ...]]]
     TASK_SCHEMA: ClassVar[type]  # its settings, the `task` section (config/task/<kind>.yaml, named by the data presets)
     quality_metric: str  # the validation metric a run is judged by, besides val/loss (a TensorBoard tag)
     rollout_every: int  # optimizer steps between `evaluate_rollout`s (and one at the end); 0: none
@@ -77,20 +80,33 @@ class Task(Protocol):
         """val/loss and the task's metrics over the validation loader, reduced over the grid."""
 
     def evaluate_rollout(self, model: nn.Module, *, grid: Grid, autocast, writer, step: int) -> dict[str, float]:
-        """Multi-step forecast skill (every `rollout_every` steps; the weather task, utils/tasks/forecast.py)."""
+        """Multi-step forecast skill (every `rollout_every` steps; the weather task, utils/weather/task/forecast.py)."""
 
 
-# The workloads a family names (`ModelSpec.task`); a family outside the tree may give its own Task class instead.
-TASKS: dict[str, type] = {"language": LanguageTask, "weather": WeatherTask}
+def tasks() -> dict[str, type]:
+    """The workloads a family names (`ModelSpec.task`), found as families are: each wing of utils/ (a package with a
+    task/ package: utils/weather/, utils/language/) declares its own in its task/__init__.py (`TASKS = {name: the
+    Task class}`); the core names none. Read once per process."""
+    if not _TASKS:
+        import utils
+
+        for info in sorted(pkgutil.iter_modules(utils.__path__), key=lambda i: i.name):
+            if info.ispkg and (Path(utils.__path__[0]) / info.name / "task" / "__init__.py").is_file():
+                _TASKS.update(importlib.import_module(f"utils.{info.name}.task").TASKS)
+    return _TASKS
+
+
+_TASKS: dict[str, type] = {}
 
 
 def task_of(spec: ModelSpec) -> type:
-    """The Task class a family trains with."""
+    """The Task class a family trains with (a family outside the tree may give its own class instead of a name)."""
     if isinstance(spec.task, type):
         return spec.task
-    require(spec.task in TASKS, f"the {spec.name} family names task {spec.task!r}", "model.arch",
-            f"give its ModelSpec a task of {', '.join(TASKS)}, or a Task class")
-    return TASKS[spec.task]
+    found = tasks()
+    require(spec.task in found, f"the {spec.name} family names task {spec.task!r}", "model.arch",
+            f"give its ModelSpec a task of {', '.join(found)}, or a Task class")
+    return found[spec.task]
 
 
 def pipeline_plan(cfg: Config) -> PipelinePlan:
@@ -98,12 +114,6 @@ def pipeline_plan(cfg: Config) -> PipelinePlan:
     par = cfg.parallel
     blocks = spec_of(cfg.model.arch).blocks(cfg.model)
     return resolve_plan(par.pp_schedule, par.pp, par.pp_stages_per_rank, par.pp_microbatches, blocks)
-
-
-# The data presets (config/data/) of each data kind, the ones that need no data first: what a one-line error
-# offers for a model (tests/test_bad_input.py checks them against config/data/).
-DATA_PRESETS = {"wikitext": ("wikitext_sample", "wikitext"), "tokens": ("tokens",),
-                "era5": ("era5_synthetic", "era5"), "era5_zarr": ("era5_zarr",)}
 
 
 def check_pairing(cfg: Config) -> None:
@@ -117,7 +127,7 @@ def check_pairing(cfg: Config) -> None:
         # a model named on the command line meets the default data (ERA5) when data= is left out: the data
         # presets that fit the model come first, the models that fit the data after
         fits = [s for s in MODELS.values() if data.kind in task_of(s).DATA_SCHEMAS]
-        presets = [f"data={p}" for kind in task.DATA_SCHEMAS for p in DATA_PRESETS.get(kind, (f"{kind}*",))]
+        presets = [f"data={p}" for kind in task.DATA_SCHEMAS for p in task.DATA_PRESETS.get(kind, (f"{kind}*",))]
         owner = task_of(fits[0]) if fits else None
         name = f"{owner.DATA_NAME} data" if owner and owner.DATA_KIND == data.kind else f"data of kind {data.kind}"
         other = f" (or, for {name}, {'; '.join(s.presets for s in fits)})" if fits else ""

@@ -14,12 +14,12 @@ from distributed.collectives import all_reduce_
 from networks.transformer import GPTConfig, check_seq_len, padded_vocab_size
 from utils import require
 from utils.comm import Axis, Grid
-from utils.data.text import TextSource
-from utils.data.token_bytes import token_bytes
-from utils.data.tokens import TokensConfig
-from utils.data.wikitext import WikiTextConfig
+from utils.language.data.text import TextSource
+from utils.language.data.token_bytes import token_bytes
+from utils.language.data.tokens import TokensConfig
+from utils.language.data.wikitext import WikiTextConfig
+from utils.language.task.generate import greedy_decode
 from utils.schema import Config
-from utils.tasks.generate import greedy_decode
 from utils.tasks.registry import MODELS, spec_of
 
 
@@ -39,6 +39,7 @@ class LanguageTask:
 
     DATA_KIND, DATA_NAME, TASK_SCHEMA = "wikitext", "WikiText", LanguageTaskConfig
     DATA_SCHEMAS = {"wikitext": WikiTextConfig, "tokens": TokensConfig}  # data.kind -> schema (config/data/ presets)
+    DATA_PRESETS = {"wikitext": ("wikitext_sample", "wikitext"), "tokens": ("tokens",)}
     rollout_every = 0  # no forecasts
     num_prompts, prompt_len = 3, 8
     quality_metric = "val/ppl"  # the validation metric a run is judged by, besides val/loss
@@ -70,7 +71,7 @@ class LanguageTask:
 
     def load_data(self) -> None:
         """Read, tokenize (or load the caches of) the corpus; every data error is raised here."""
-        self.corpus = self.cfg.open()  # a text source (utils/data/text.py)
+        self.corpus = self.cfg.open()  # a text source (utils/language/data/text.py)
         self.train_set = self.corpus.dataset("train", self.cfg.seq_len)
         self.val_set = self.corpus.dataset("valid", self.cfg.seq_len)
         self.unigram_ppl = self.corpus.unigram_ppl
@@ -124,7 +125,7 @@ class LanguageTask:
                  writer, step: int) -> dict[str, float]:
         """val/loss, val/ppl and val/bpb over the validation blocks (sums reduced over dp and pp); greedy
         continuations as text. Bits per byte: the summed token NLL (nats) over ln 2 x the UTF-8 bytes the
-        targets decode to (utils/data/token_bytes.py); absent without a corpus (a benchmark's random ids)."""
+        targets decode to (utils/language/data/token_bytes.py); absent without a corpus (a benchmark's random ids)."""
         sums = torch.zeros(4, dtype=torch.float64, device=grid.device)  # [sum of means, rows, NLL, bytes]
         table = None if self.token_bytes is None else self.token_bytes.to(grid.device)
         for x, y in loader:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from utils.tasks.spectra import resolved_top
+from utils.weather.task.spectra import resolved_top
 
 
 def field_panels(pred: torch.Tensor, target: torch.Tensor, name: str, step: int, units: str = "normalized units",

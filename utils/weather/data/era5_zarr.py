@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from utils import ConfigError, require
-from utils.data.fields import Channel
+from utils.weather.data.fields import Channel
 
 SPLITS = ("train", "valid", "test")
 DEFAULT_VARIABLES = ["2m_temperature", "10m_u_component_of_wind", "10m_v_component_of_wind", "mean_sea_level_pressure",
@@ -139,7 +139,7 @@ def store_channels(dataset) -> list[str]:
 
 
 class ZarrReader:
-    """One split of a zarr store (a FieldReader, utils/data/fields.py): one segment, its time range; the store
+    """One split of a zarr store (a FieldReader, utils/weather/data/fields.py): one segment, its time range; the store
     is opened lazily in each process (DataLoader workers each open their own)."""
 
     def __init__(self, cfg: ERA5ZarrConfig, split: str, full_grid: bool = False):
@@ -234,7 +234,8 @@ class ZarrReader:
         return out
 
     def load_stats(self, path: Path) -> None:
-        """Means, stds and time means of this reader's channels from the statistics file (utils/data/stats.py)."""
+        """Means, stds and time means of this reader's channels from the statistics file
+        (utils/weather/data/stats.py)."""
         require(path.is_file(), f"no normalisation statistics at {path}", "data.stats",
                 f"compute them with `{STATS_COMMAND}` (or point data.stats at the file)")
         with np.load(path) as stats:

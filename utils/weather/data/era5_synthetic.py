@@ -20,7 +20,7 @@ from utils import ConfigError
 from utils.data.cache import user_cache_dir
 
 GRID = (32, 64)  # (lat, lon) points: a 5.625-degree grid
-NUM_CHANNELS = 20  # the NERSC layout's (utils/data/era5.py CHANNELS)
+NUM_CHANNELS = 20  # the NERSC layout's (utils/weather/data/era5.py CHANNELS)
 YEARS = {"train": [2016, 2017], "valid": [2018], "test": [2019]}
 STEPS_PER_YEAR = {"train": 64, "valid": 32, "test": 16}
 NUM_WAVES = 12
@@ -32,7 +32,7 @@ def latitudes() -> np.ndarray:
     return np.linspace(90, -90, GRID[0], endpoint=False) - 90.0 / GRID[0]
 
 
-# Each channel's value at the poles and its equator-to-pole difference (the 20 channels of utils/data/era5.py's
+# Each channel's value at the poles and its equator-to-pole difference (the 20 channels of utils/weather/data/era5.py's
 # CHANNELS, in file order, in their units there): fields are mapped onto them, so a channel reads in its units.
 PLAUSIBLE = [(-4.0, 8.0), (-2.0, 4.0), (240.0, 50.0), (8.5e4, 1.5e4), (9.95e4, 2.0e3),  # u10m v10m t2m sp msl
              (240.0, 35.0), (-4.0, 8.0), (-2.0, 4.0), (-1.0e3, 1.5e3), (-4.0, 12.0),  # t850 u1000 v1000 z1000 u850
@@ -65,7 +65,7 @@ def _waves(rng: np.random.Generator, num_channels: int = NUM_CHANNELS) -> dict[s
 def make_year(num_steps: int, waves: dict, clim: np.ndarray, scale: np.ndarray, rng: np.random.Generator,
               lat: np.ndarray | None = None, num_lon: int = GRID[1]) -> np.ndarray:
     """Fields [T, C, H, W] float32 for one year with its own random phases, on this module's grid or on the rows
-    `lat` (degrees) and `num_lon` columns (utils/data/era5_zarr_synthetic.py)."""
+    `lat` (degrees) and `num_lon` columns (utils/weather/data/era5_zarr_synthetic.py)."""
     lat = latitudes() if lat is None else lat
     lon = np.linspace(0, 2 * np.pi, num_lon, endpoint=False)
     jet = 0.12 + 0.10 * np.cos(np.deg2rad(2 * lat))  # eastward phase speed (rad/step) by latitude

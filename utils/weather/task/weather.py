@@ -1,9 +1,9 @@
 """The ERA5 workload: next-state regression with the ViT, validated by latitude-weighted RMSE per channel.
 
 The task owns its settings, the `task` section (config/task/weather.yaml, chosen by the weather data presets):
-its training loss (utils/tasks/weather_loss.py), rollout training, and the forecast evaluation (`task.eval`,
+its training loss (utils/weather/task/weather_loss.py), rollout training, and the forecast evaluation (`task.eval`,
 which a run may change between invocations: utils/cli/runs.py RESUME_SAFE). It reads its data through a reader
-(utils/data/fields.py), whichever source the data schema names (`DATA_SCHEMAS`: a new source adds its line).
+(utils/weather/data/fields.py), whichever source the data schema names (`DATA_SCHEMAS`: a new source adds its line).
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from distributed.pipeline.schedule import from_last_stage
 from networks.vit.model import ViTConfig
 from utils import require
 from utils.comm import Grid
-from utils.data.era5 import ERA5Config
-from utils.data.era5_zarr import ERA5ZarrConfig
-from utils.data.fields import FieldPairs, cell_area_weights
-from utils.tasks.ensemble import ensemble_skill
-from utils.tasks.figures import field_panels, figure_image, lead_spectra_panel, skill_panels
-from utils.tasks.forecast import Rollouts, rollout_skill
-from utils.tasks.spectra import blurring
-from utils.tasks.weather_loss import GRAPHCAST_WEIGHTS, LOSSES, WeightedMSE, loss_table
-from utils.tasks.weather_metrics import weighted_rmse_per_sample
+from utils.weather.data.era5 import ERA5Config
+from utils.weather.data.era5_zarr import ERA5ZarrConfig
+from utils.weather.data.fields import FieldPairs, cell_area_weights
+from utils.weather.task.ensemble import ensemble_skill
+from utils.weather.task.figures import field_panels, figure_image, lead_spectra_panel, skill_panels
+from utils.weather.task.forecast import Rollouts, rollout_skill
+from utils.weather.task.spectra import blurring
+from utils.weather.task.weather_loss import GRAPHCAST_WEIGHTS, LOSSES, WeightedMSE, loss_table
+from utils.weather.task.weather_metrics import weighted_rmse_per_sample
 
 # the channels of the skill figures (those the data has): u10m, t2m and z500 by either source's names
 SKILL_CHANNELS = ("u10m", "t2m", "z500", "10m_u_component_of_wind", "2m_temperature", "geopotential@500")
@@ -36,7 +36,7 @@ SKILL_CHANNELS = ("u10m", "t2m", "z500", "10m_u_component_of_wind", "2m_temperat
 
 @dataclass
 class ForecastEvalConfig:
-    """Schema of `task.eval`: the rollout evaluation (utils/tasks/forecast.py). Resume-safe: changing it neither
+    """Schema of `task.eval`: the rollout evaluation (utils/weather/task/forecast.py). Resume-safe: changing it neither
     renames a run nor refuses its resume."""
 
     every: int = 0  # steps between rollout evaluations, and one at the end (0 = none)
@@ -61,7 +61,7 @@ class WeatherTaskConfig:
     """Schema of the weather task's `task` section: its loss, rollout training and forecast evaluation."""
 
     kind: str = "weather"  # task tag (fixed by the preset)
-    loss: str = "relative_l2"  # relative_l2 (the seed's) | mse | area_mse | weighted_mse (utils/tasks/weather_loss.py)
+    loss: str = "relative_l2"  # relative_l2 (the seed's) | mse | area_mse | weighted_mse (weather_loss.py)
     # weighted_mse: each variable's weight by WeatherBench 2 name (others 1); its levels share it by pressure
     variable_weights: dict[str, float] = field(default_factory=lambda: dict(GRAPHCAST_WEIGHTS))
     rollout_train_steps: int = 1  # predicted steps per training sample, the loss their mean (1 = one-step)
@@ -85,6 +85,7 @@ class WeatherTask:
 
     DATA_KIND, DATA_NAME, TASK_SCHEMA = "era5", "ERA5", WeatherTaskConfig
     DATA_SCHEMAS = {"era5": ERA5Config, "era5_zarr": ERA5ZarrConfig}  # data.kind -> schema (config/data/ presets)
+    DATA_PRESETS = {"era5": ("era5_synthetic", "era5"), "era5_zarr": ("era5_zarr",)}
 
     @staticmethod
     def check_config(cfg) -> None:
@@ -238,9 +239,9 @@ class WeatherTask:
         return metrics
 
     def evaluate_rollout(self, model: nn.Module, *, grid: Grid, autocast, writer, step: int) -> dict[str, float]:
-        """rollout/<metric>/<channel>/<lead>h of the model (utils/tasks/forecast.py): RMSE, ACC, bias and the
-        blurring figure of its zonal energy spectra (utils/tasks/spectra.py), with task.eval.members >= 2 the
-        ensemble's fair CRPS and spread-skill ratio (utils/tasks/ensemble.py); the persistence and climatology
+        """rollout/<metric>/<channel>/<lead>h of the model (utils/weather/task/forecast.py): RMSE, ACC, bias and the
+        blurring figure of its zonal energy spectra (utils/weather/task/spectra.py), with task.eval.members >= 2 the
+        ensemble's fair CRPS and spread-skill ratio (utils/weather/task/ensemble.py); the persistence and climatology
         baselines once as baseline/<name>/<metric>/<channel>/<lead>h; figures of RMSE and ACC against lead time
         and of the spectra for u10m, t2m and z500 (those the data has). Returns the model's scalars."""
         first, spectral = not self.baselines_logged, {}

@@ -3,7 +3,7 @@
     relative_l2   the seed's loss, the ViT's own criterion (networks/vit/model.py RelativeL2Loss): the default
     mse           mean over samples, channels and grid points of (f - o)^2, in normalised units
     area_mse      the same with each row weighted by its cell area w_j (WeatherBench 2's latitude weights of the
-                  data's latitudes, mean 1: utils/data/fields.py cell_area_weights)
+                  data's latitudes, mean 1: utils/weather/data/fields.py cell_area_weights)
     weighted_mse  GraphCast's (google-deepmind/graphcast losses.py weighted_mse_per_level): per channel c of
                   variable v, the area-weighted MSE times a_c, summed over channels, with
                       a_c = w_v / L_v                      for a surface variable (L_v = 1)
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.data.fields import Channel, cell_area_weights
+from utils.weather.data.fields import Channel, cell_area_weights
 
 LOSSES = ("relative_l2", "mse", "area_mse", "weighted_mse")
 # GraphCast's per-variable weights, over WeatherBench 2's ERA5 variables (a setting can change a listed one only:

@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-from utils.data.tokenizers import AnyTokenizer, WordTokenizer
+from utils.language.data.tokenizers import AnyTokenizer, WordTokenizer
 
 BYTE_FALLBACK = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 META_SPACE = "\u2581"  # SentencePiece's space

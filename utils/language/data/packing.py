@@ -47,7 +47,8 @@ def document_starts(ids: np.ndarray, lines: Iterable[str], eos_id: int) -> np.nd
 
 
 class PackedDocumentDataset(Dataset):
-    """The rows of `blocks` (utils.data.wikitext.LMBlockDataset) with the document starts flagged in the inputs:
+    """The rows of `blocks` (utils.language.data.wikitext.LMBlockDataset) with the document starts flagged in the
+    inputs:
     item i = (packed ids of stream[i*S : i*S+S], plain next-token targets stream[i*S+1 : i*S+S+1]), int64."""
 
     def __init__(self, blocks: Dataset, starts: np.ndarray):

@@ -23,8 +23,8 @@ The factor sqrt((M + 1) / M) makes the ratio 1 for a perfectly reliable ensemble
 mean's expected squared error is (M + 1) / M times the expected variance (Fortin et al. 2014); WB2's plots
 divide the standard deviation by the RMSE without it, so `spread` and `skill` are returned as well.
 
-`ensemble_skill` runs the members of the rollout evaluation (`task.eval.members`, utils/tasks/weather.py) under
-any layout: each dp rank takes its initial times (utils/tasks/forecast.py `my_starts`), steps its members lead by
+`ensemble_skill` runs the members of the rollout evaluation (`task.eval.members`, utils/weather/task/weather.py) under
+any layout: each dp rank takes its initial times (utils/weather/task/forecast.py `my_starts`), steps its members lead by
 lead (memory: M states, not M rollouts) and sums the scores over its times; the sums are reduced over the batch
 group, so the numbers are one process's and the forecast command's (`--members`, the same perturbations).
 """
@@ -38,8 +38,8 @@ import torch
 
 from distributed.collectives import all_reduce_
 from utils.comm import Grid
-from utils.data.fields import cell_area_weights
-from utils.tasks.forecast import Rollouts, forecast_step, my_starts, read_batch
+from utils.weather.data.fields import cell_area_weights
+from utils.weather.task.forecast import Rollouts, forecast_step, my_starts, read_batch
 
 KERNEL_RADIUS = 3.0  # the Gaussian kernel is cut at this many standard deviations
 

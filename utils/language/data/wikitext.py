@@ -13,7 +13,7 @@ on whitespace, WikiText's `<unk>` kept, `<eos>` after every line), except that b
 .npy) are cached beside the data, or in a user cache folder when the data folder is read-only; names
 carry the tokenizer settings (a pretrained tokenizer: a hash of its file) and the source files' names
 and sizes, so a change of either builds new ones. Cache files appear atomically and the first writer
-wins, so concurrent ranks agree on one tokenizer. The tokenizers are in utils/data/tokenizers.py, the
+wins, so concurrent ranks agree on one tokenizer. The tokenizers are in utils/language/data/tokenizers.py, the
 cache in utils/data/cache.py.
 """
 
@@ -35,10 +35,10 @@ from torch.utils.data import Dataset
 
 from utils import ConfigError, require
 from utils.data.cache import cache_folders, cached
-from utils.data.corpus import ensure_sample_corpus
-from utils.data.packing import PackedDocumentDataset, document_starts
-from utils.data.text import TextSource
-from utils.data.tokenizers import (
+from utils.language.data.corpus import ensure_sample_corpus
+from utils.language.data.packing import PackedDocumentDataset, document_starts
+from utils.language.data.text import TextSource
+from utils.language.data.tokenizers import (
     AnyTokenizer,
     BPETokenizer,
     PretrainedTokenizer,
@@ -218,7 +218,7 @@ def load_ids(tokenizer: AnyTokenizer, tokenizer_name: str, source: SplitSource, 
 
 def load_starts(tokenizer: AnyTokenizer, tokenizer_name: str, source: SplitSource, split: Split, ids: np.ndarray,
                 folders: list[Path]) -> np.ndarray:
-    """int64 token offsets where the split's documents start (utils/data/packing.py), found once and cached."""
+    """int64 token offsets where the split's documents start (utils/language/data/packing.py), found once and cached."""
     def build(path: Path) -> None:
         with open(path, "wb") as f:
             np.save(f, document_starts(ids, nonempty_lines(source), tokenizer.eos_id))

@@ -4,9 +4,9 @@
     <root>/stats/global_means.npy, global_stds.npy  [1, C, 1, 1];  <root>/stats/time_means.npy
 
 A sample is a normalized pair (state at t, state at t+dt), cropped to `img_size` from the top-left
-(`FieldPairs`, utils/data/fields.py, over a `NERSCReader`). The files carry no coordinates: their rows are the
+(`FieldPairs`, utils/weather/data/fields.py, over a `NERSCReader`). The files carry no coordinates: their rows are the
 0.25-degree ERA5 grid from 90 to -89.75 degrees (720 rows, the south pole left out; `nersc_latitudes`), the
-synthetic copy's are its generator's (utils/data/era5_synthetic.py), and the channels are named by the table
+synthetic copy's are its generator's (utils/weather/data/era5_synthetic.py), and the channels are named by the table
 below (WeatherBench 2's variable, pressure level and units of each).
 """
 
@@ -20,8 +20,8 @@ import h5py
 import numpy as np
 
 from utils import ConfigError, require
-from utils.data import era5_synthetic
-from utils.data.fields import Channel, FieldPairs
+from utils.weather.data import era5_synthetic
+from utils.weather.data.fields import Channel, FieldPairs
 
 # The 20 channels of the NERSC/FourCastNet subset, in file order (u10m first).
 CHANNELS = ["u10m", "v10m", "t2m", "sp", "msl", "t850", "u1000", "v1000", "z1000", "u850", "v850", "z850",
@@ -137,7 +137,7 @@ def load_stats(root: Path, num_channels: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class NERSCReader:
-    """One split of the NERSC layout (a FieldReader, utils/data/fields.py): its yearly files, each a segment,
+    """One split of the NERSC layout (a FieldReader, utils/weather/data/fields.py): its yearly files, each a segment,
     cropped to `img_size` from the top-left. Files are inspected once (shape, channels, readability) and opened
     lazily in each process (DataLoader workers each get their own handles)."""
 

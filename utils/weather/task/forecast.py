@@ -2,11 +2,11 @@
 
 From an initial state x_0 the model predicts x_1, is fed its own prediction (in float32 whatever the autocast
 dtype), and so on for K steps of data.dt (6 h each in ERA5). At each lead time l and for each channel c, in
-physical units (the normalisation undone with the data's means and stds, utils/data/fields.py):
+physical units (the normalisation undone with the data's means and stds, utils/weather/data/fields.py):
 
     w_j      cell-area latitude weights: sin(phi_j + d/2) - sin(phi_j - d/2) of row j (bounds clipped to the
              poles), normalised to mean 1 over the rows; phi_j the data's latitude of row j, d the rows' spacing
-             (utils/data/fields.py cell_area_weights)
+             (utils/weather/data/fields.py cell_area_weights)
     MSE_t    = mean_ij w_j (f - o)^2                      for initial time t, forecast f, truth o
     RMSE     = sqrt(mean_t MSE_t)                         the root after the time mean, as WB2
     bias     = mean_t mean_ij w_j (f - o)
@@ -20,7 +20,7 @@ Without a climatology (no time_means.npy) ACC and the climatology baseline are l
 bias are still reported. The data are read through the split's reader only.
 
 The rollout also gives the zonal energy spectra of the model's forecast and of the truth per lead and channel
-(utils/tasks/spectra.py: sums over initial times, reduced as the skill's), from which the blurring figure comes.
+(utils/weather/task/spectra.py: sums over initial times, reduced as the skill's), from which the blurring figure comes.
 
 Under any layout the sums over initial times are reduced over the batch group (each dp rank takes every
 dp-th initial time; tp, cp and pp ranks of a replica compute the same), so the numbers are those of one process.
@@ -38,8 +38,8 @@ from distributed.collectives import all_reduce_
 from distributed.pipeline.schedule import from_last_stage
 from utils import ConfigError, require
 from utils.comm import Grid
-from utils.data.fields import FieldPairs, FieldReader, cell_area_weights
-from utils.tasks.spectra import spectra_sums
+from utils.weather.data.fields import FieldPairs, FieldReader, cell_area_weights
+from utils.weather.task.spectra import spectra_sums
 
 METRICS = ("rmse", "acc", "bias")
 
@@ -74,7 +74,7 @@ def skill(sums: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
 class Rollouts:
     """The initial times of the rollout evaluation: evenly spaced over a split, each with K truths after it."""
 
-    reader: FieldReader  # the split's (utils/data/fields.py): the only one that opens files
+    reader: FieldReader  # the split's (utils/weather/data/fields.py): the only one that opens files
     starts: list[tuple[int, int]]  # (segment, time index) of each initial time
     steps: int
     dt: int
@@ -165,7 +165,7 @@ def rollout_skill(model, rollouts: Rollouts, *, grid: Grid, autocast, with_basel
     every rank. `model` is the forward pass (under pp: through the stages, the output on the last stage).
     `keep`: a list that receives this rank's (forecasts, truths), each (B, K, C, H, W) in physical units.
     `spectra`: a dict that receives 'forecast' and 'truth', the model's and the truth's band-mean zonal energy
-    spectra per lead and channel averaged over the initial times (K, C, W // 2 + 1) (utils/tasks/spectra.py),
+    spectra per lead and channel averaged over the initial times (K, C, W // 2 + 1) (utils/weather/task/spectra.py),
     from sums reduced over the batch group as the skill's: the same on every rank."""
     device, batch, count = grid.device, grid.batch, len(rollouts.starts)
     mine, counted = my_starts(count, batch, device)

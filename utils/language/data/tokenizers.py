@@ -34,6 +34,7 @@ KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", EOS)
 CONFIG = "tokenizer_config.json"
 # The files of a tokenizer folder besides tokenizer.json, copied with it (export-hf).
 COMPANIONS = (CONFIG, "special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", *COMPANIONS)  # a Hugging Face folder's tokenizer files
 PRETRAINED_FIX = "give a folder holding a Hugging Face tokenizer.json (or the file itself), or choose word or bpe"
 
 

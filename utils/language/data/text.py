@@ -1,5 +1,5 @@
 """The language wing's data interface: what every text source declares once, and what the language task and the
-tools read of it (utils/data/fields.py is the weather wing's).
+tools read of it (utils/weather/data/fields.py is the weather wing's).
 
 A text source is a data schema that subclasses `TextSource`, which declares and checks, once, the row settings
 every source shares (seq_len, the token limits of each split, the continuations sampled at validation, packing and
@@ -9,10 +9,11 @@ its attention), and gives two things:
     trained_tokenizer()     the tokenizer a run on this data trained with (what generate, evaluate and export read)
 
 A `Corpus` is the data opened: its tokenizer and vocabulary, each split as rows of seq_len + 1 tokens (packed
-documents flag their starts), the unigram baseline and a log line. The sources: utils/data/wikitext.py (text
-files or Hugging Face parquet, tokenized here) and utils/data/tokens.py (pre-tokenized shards). A new one is its
+documents flag their starts), the unigram baseline and a log line. The sources: utils/language/data/wikitext.py (text
+files or Hugging Face parquet, tokenized here) and utils/language/data/tokens.py (pre-tokenized shards). A new one is
+its
 module (a subclass with these two methods), a preset in config/data/, and its line in
-`LanguageTask.DATA_SCHEMAS` (utils/tasks/language.py): three files.
+`LanguageTask.DATA_SCHEMAS` (utils/language/task/language.py): three files.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from typing import Any, Protocol
 from torch.utils.data import Dataset
 
 from utils import require
-from utils.data.packing import check_packing
+from utils.language.data.packing import check_packing
 
 
 class Corpus(Protocol):
     """A text source opened (`TextSource.open`)."""
 
-    tokenizer: Any  # utils.data.tokenizers.AnyTokenizer
+    tokenizer: Any  # utils.language.data.tokenizers.AnyTokenizer
     unigram_ppl: float  # the add-one smoothed unigram model's perplexity on the validation split
 
     @property

@@ -1,7 +1,8 @@
 """Greedy decoding for the language model, on any layout: the decoder of parallel models.
 
 Validation writes continuations with it (utils/tasks/) and the tests call it on serial and
-parallel models alike; sampling with a KV cache (one process or tensor parallel) is utils/tasks/sampling.py, whose
+parallel models alike; sampling with a KV cache (one process or tensor parallel) is utils/language/task/sampling.py,
+whose
 token choice (`choose`, greedy here) it shares.
 
 Every step runs the model on a window of one fixed width (prompt plus new tokens, at most
@@ -27,7 +28,7 @@ from torch import nn
 from distributed.pipeline.schedule import from_last_stage
 from distributed.tensor.vocab import gather_vocab
 from utils.comm import AxisGroup
-from utils.tasks.sampling import GREEDY, choose
+from utils.language.task.sampling import GREEDY, choose
 
 
 @torch.no_grad()

@@ -1,8 +1,9 @@
-"""`data=tokens`: the language model on pre-tokenized shards (utils/data/prepare.py writes them), memory-mapped.
+"""`data=tokens`: the language model on pre-tokenized shards (utils/language/data/prepare.py writes them),
+memory-mapped.
 
 The shards concatenated in index order are one token stream, documents separated by the EOS id. Validation
 holds `data.valid_fraction` of the documents, the last ones of each shard in proportion (every source
-contributes; utils/data/shards.py `held_out_split`); training is the rest. Each split is cut into rows of
+contributes; utils/language/data/shards.py `held_out_split`); training is the rest. Each split is cut into rows of
 seq_len + 1 tokens by the WikiText reader's `LMBlockDataset` and served by the same layout-invariant global
 batches (utils/data/batching.py), so the order is the same for any dp size and a run resumes mid-epoch
 under any layout with no saved loader state. A missing or damaged index, a shard of the wrong size, or (with
@@ -23,10 +24,10 @@ from torch.utils.data import Dataset
 
 from networks.documents import pack_ids
 from utils import ConfigError, require
-from utils.data.shards import Index, ShardStream, check_shards, document_starts, held_out_split, read_index
-from utils.data.text import TextSource
-from utils.data.tokenizers import PretrainedTokenizer
-from utils.data.wikitext import LMBlockDataset
+from utils.language.data.shards import Index, ShardStream, check_shards, document_starts, held_out_split, read_index
+from utils.language.data.text import TextSource
+from utils.language.data.tokenizers import PretrainedTokenizer
+from utils.language.data.wikitext import LMBlockDataset
 
 VERIFY = ("checksum", "size")
 UNIGRAM_TOKENS = 1 << 24  # tokens of each split the unigram baseline reads (a corpus may exceed memory)
@@ -79,7 +80,7 @@ def token_counts(stream: ShardStream, vocab_size: int, limit: int, chunk: int = 
 
 class PackedShardRows(Dataset):
     """data.packing=documents on shards: the rows of `blocks` (over a ShardStream) with their document starts
-    flagged as utils.data.packing flags WikiText's: the split's first token and the EOS before every later
+    flagged as utils.language.data.packing flags WikiText's: the split's first token and the EOS before every later
     document (the one separating it from the one before). The starts of a row are looked up in the shards'
     memory-mapped document starts, so memory does not grow with the corpus."""
 

@@ -14,7 +14,7 @@ each rank caches its own heads' keys and values, the vocabulary-parallel head gi
 columns of the logits, and only the last position's columns are gathered over tp (B rows, never the sequence);
 every rank draws from the same gathered logits with the same seeded generator, and tp rank 0's token is
 broadcast, so all ranks carry on with one text. Other layouts decode greedily with
-`utils.tasks.generate.greedy_decode` (validation's samples).
+`utils.language.task.generate.greedy_decode` (validation's samples).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The weather data interface: a data source is a reader of gridded fields, and the weather task reads only
-through it (utils/tasks/weather.py, utils/tasks/forecast.py).
+through it (utils/weather/task/weather.py, utils/weather/task/forecast.py).
 
 A reader (`FieldReader`) is one split of a source: its channels (names, WeatherBench 2 variables, pressure
 levels, units), its grid (the latitudes and longitudes of the rows and columns it returns), the hours between
@@ -9,8 +9,9 @@ files. `FieldPairs` turns any reader into the training samples: normalised (x_t,
 cross a segment.
 
 A new source is its module (a data schema whose `open(split)` returns a reader, and the reader), a preset in
-config/data/, and its schema's line in the weather task's `DATA_SCHEMAS` (utils/tasks/weather.py); the NERSC
-HDF5 files (utils/data/era5.py) and WeatherBench 2's zarr stores (utils/data/era5_zarr.py) are the two here.
+config/data/, and its schema's line in the weather task's `DATA_SCHEMAS` (utils/weather/task/weather.py); the NERSC
+HDF5 files (utils/weather/data/era5.py) and WeatherBench 2's zarr stores (utils/weather/data/era5_zarr.py) are the two
+here.
 """
 
 from __future__ import annotations
