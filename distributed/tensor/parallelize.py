@@ -79,7 +79,8 @@ def parallelize(model: ParallelModel, *, grid: Grid, sequence_parallel: bool, ke
     """Shard `model` over grid's tp axis in place and return it (unchanged at tp == 1). `keep_gathered`:
     column-parallel layers under sequence parallelism save their gathered input, not their shard.
 
-    tp must divide every attention layer's head count (a user setting checked by utils.schema.Config).
+    tp must divide every attention layer's head count (a user setting each family refuses before any rank starts:
+    its `check_layout`, networks/layout.py).
     """
     axis = grid.axis(Axis.TP)
     if axis.size == 1:
@@ -116,10 +117,9 @@ def _grouped_qkv(model: nn.Module, plan: ParallelPlan, axis: AxisGroup, column: 
         if getattr(attn, "num_kv_heads", attn.num_heads) % axis.size == 0:  # (multi-head attention need not say)
             continue
         qkv = f"{part.name}.qkv"
-        if axis.size % attn.num_kv_heads or attn.q_per_group % (axis.size // attn.num_kv_heads):
-            raise ConfigError(f"{part.name} has {attn.num_kv_heads} key/value heads, which parallel.tp={axis.size} "
-                              "neither divides nor is a multiple of", "parallel.tp",
-                              f"choose a parallel.tp that divides or is a multiple of {attn.num_kv_heads}")
+        # a user setting the family refuses earlier (networks/transformer.py `check_layout`): here an invariant
+        assert not (axis.size % attn.num_kv_heads or attn.q_per_group % (axis.size // attn.num_kv_heads)), \
+            f"{part.name}: {attn.num_kv_heads} key/value heads over tp={axis.size}"
         serial = _serial(Part(attn, "qkv", qkv, attn.qkv), nn.Linear)
         attn.qkv = GroupedQKVParallelLinear(serial, axis, attn.num_kv_heads, attn.q_per_group, attn.head_dim, **column)
         attn.q_per_group = attn.qkv.q_local
