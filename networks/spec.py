@@ -13,7 +13,8 @@ The spec declares what is known from the config alone; the model its builder ret
     layout rules       spec.check_layout(model config, parallel config): what it refuses (heads over tp, ...),
                        checked once with the config, before any rank starts
     pipeline split     spec.blocks(model config): the number of its `blocks`, the units pipeline stages take
-    capabilities       spec.documents: it reads packed documents (`documents`, `read_documents`)
+    capabilities       spec.documents: it reads packed documents (`documents`, `read_documents`); spec.decodes: it
+                       decodes with a KV cache (`forward(idx, decode)`, what utils.generate samples from)
     shard init         init_rules(): single-process name -> networks.initialization.Init, drawn shard by shard
     parallel plan      parallel_plan(): the roles tensor, sequence, context and pipeline parallelism act on
     FLOPs              matmul_params(): weights in matrix multiplies; attention_layers(): (layers, width,
@@ -23,6 +24,8 @@ The spec declares what is known from the config alone; the model its builder ret
     loss               criterion(output, target): the training loss, also what a pipeline's last stage
                        computes; a task whose loss is anything else under some settings says so
                        (`Task.loss_is_criterion`) and pp is refused there, instead of a loss term dropped
+    decoding           a language model also gives `vocab_size`, `padded_vocab` and `cfg.max_positions`, which
+                       greedy decoding at validation, sampling and evaluation read
     Hugging Face       spec.hf: its adapter (networks/exchange.py `HFAdapter`: config.json both ways and the
                        rules its tensors are made by), which import, sliced import and export read
 
@@ -82,6 +85,7 @@ class ModelSpec:
     blocks: Callable[[Any], int]  # model config -> the number of its `blocks` (the pipeline's units)
     check_layout: Callable[[Any, Any], None] = no_layout_rules  # (model, parallel config): ConfigError if refused
     documents: bool = False  # reads packed documents (data.packing=documents): `documents`, `read_documents`
+    decodes: bool = False  # decodes token by token with a KV cache (`forward(idx, decode)`): utils.generate samples
     hf: HFAdapter | None = None  # its exchange with Hugging Face folders (None: none)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import QUIET, read_scalars
+from tests.helpers import QUIET, read_scalars, run_main
 
 STEPS = 4
 TOY = ["model=toy_tiny", "data=wikitext_sample", "data.seq_len=32", "data.sample_tokens=0", "optim.lr=2e-3",
@@ -64,6 +64,8 @@ def test_the_toy_family_exchanges_weights_through_its_own_adapter(tmp_path):
         assert torch.equal(piece.local, back[piece.name][piece.slices()]), (piece.name, piece.slices())
     _, settings = import_hf(folder, tmp_path / "imported")
     assert settings[0] == "model=toy_tiny" and "model.embed_dim=32" in settings and "model.mlp_hidden=48" in settings
+    code, _, err = run_main("utils.generate.command", str(folder), "--prompt", "a b")  # it declares no decoding
+    assert code == 2 and "the toy decoder model does not decode token by token" in err and err.count("\n") == 1
 
 
 def _entry_with_toy(rank: int, world: int, argv: list[str]) -> int:

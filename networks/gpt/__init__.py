@@ -12,4 +12,4 @@ def _build(cfg: GPTConfig, task) -> GPT:
 
 FAMILY = ModelSpec(arch="gpt", name="GPT", schema=GPTConfig, presets="model=gpt_tiny, gpt_small or gpt_medium",
                    tiny="gpt_tiny", task="language", build=_build, blocks=lambda cfg: cfg.depth,
-                   check_layout=check_layout, documents=True, hf=GPT2Exchange())
+                   check_layout=check_layout, documents=True, decodes=True, hf=GPT2Exchange())

@@ -12,4 +12,4 @@ def _build(cfg: LlamaConfig, task) -> GPT:
 
 FAMILY = ModelSpec(arch="llama", name="Llama", schema=LlamaConfig, presets="model=llama_tiny, llama_1b or llama_8b",
                    tiny="llama_tiny", task="language", build=_build, blocks=lambda cfg: cfg.depth,
-                   check_layout=check_layout, documents=True, hf=LlamaExchange())
+                   check_layout=check_layout, documents=True, decodes=True, hf=LlamaExchange())

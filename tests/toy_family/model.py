@@ -56,6 +56,7 @@ class ToyLM(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         padded, d = padded_vocab_size(vocab_size, cfg.vocab_multiple), cfg.embed_dim
+        self.padded_vocab = padded  # what decoding reads of a language model (networks/spec.py)
         self.tok_embed = nn.Embedding(padded, d)
         self.pos_embed = nn.Embedding(cfg.max_positions, d)
         self.enter_seq = SequenceRegion("enter")

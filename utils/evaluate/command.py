@@ -75,6 +75,21 @@ def load(args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; the process groups it started are ended before it returns (`utils.comm.destroy_grid`: a gloo
+    thread left to the interpreter's finalization can abort the rank after its work is done)."""
+    import torch.distributed as dist
+
+    from utils.comm import destroy_grid
+
+    started = not dist.is_initialized()
+    try:
+        return _main(argv)
+    finally:
+        if started:
+            destroy_grid()
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         check_args(args)

@@ -240,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {import_checkpoint(args.file, args.run_dir)}")
         elif args.command == "export-hf":
             config = export_hf(args.checkpoint, args.folder, args.tokenizer, args.shard_mib * 2**20)
-            print(f"wrote {args.folder}: {config['architectures'][0]}, vocabulary {config['vocab_size']}, its "
-                  f"tokenizer; load them with transformers' AutoModelForCausalLM.from_pretrained('{args.folder}') "
-                  f"and AutoTokenizer.from_pretrained('{args.folder}')")
+            load = (f"; load them with transformers' AutoModelForCausalLM.from_pretrained('{args.folder}') and "
+                    f"AutoTokenizer.from_pretrained('{args.folder}')") if "architectures" in config else ""
+            name = config.get("architectures", [config["model_type"]])[0]  # a family's own layout names no class
+            print(f"wrote {args.folder}: {name}, vocabulary {config['vocab_size']}, its tokenizer{load}")
         else:
             step, settings = import_hf(args.folder, args.run_dir, args.vocab_multiple)
             print(f"wrote {step}\nstart a run from it: python train.py {' '.join(settings)} data=wikitext_sample "

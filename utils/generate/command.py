@@ -115,12 +115,18 @@ def source_tokenizer(opened, tokenizer: Path | None):
 SOURCE = "CHECKPOINT_OR_HF_FOLDER"  # the setting a bad source is named by
 
 
-def open_source(args):
+def open_source(args, sampling: bool = False):
     """(the source opened: utils/engine/session.py, no weight read; its tokenizer). A run folder stands for its
-    newest complete step: rank 0 says on stderr which step it took."""
+    newest complete step: rank 0 says on stderr which step it took. `sampling`: a family that does not decode token
+    by token (`ModelSpec.decodes`) is refused."""
     from utils.engine.session import open_model
+    from utils.tasks.registry import families
 
     opened = open_model(args.source, SOURCE, kind="wikitext", data=args.data)
+    decoding = [spec.name for spec in families().values() if spec.decodes]
+    require(opened.family.decodes or not sampling, f"the {opened.family.name} model does not decode token by token "
+            "(no KV-cached forward(idx, decode))", SOURCE, f"sample from a model whose family decodes "
+            f"({', '.join(decoding)}); python -m utils.evaluate scores any language model")
     if opened.taken is not None and launch_env().rank == 0:
         print(opened.taken, file=sys.stderr)
     return opened, source_tokenizer(opened, args.tokenizer)
@@ -163,7 +169,7 @@ def load(args) -> tuple[Source, AxisGroup | None, str, bool]:
     """(the source: the whole model, or this rank's tensor-parallel shards; the tp axis (None: one process); the
     device; whether this rank prints)."""
     world = launch_env().world_size
-    opened, tokenizer = open_source(args)
+    opened, tokenizer = open_source(args, sampling=True)
     if world == 1:
         return Source(opened.serial(args.device), tokenizer, tokenizer.eos_id), None, args.device, True
     model, grid = opened.sharded(tp=world, pp=1, sequence_parallel=False)
@@ -172,6 +178,21 @@ def load(args) -> tuple[Source, AxisGroup | None, str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; the process groups it started are ended before it returns (`utils.comm.destroy_grid`: a gloo
+    thread left to the interpreter's finalization can abort the rank after its work is done)."""
+    import torch.distributed as dist
+
+    from utils.comm import destroy_grid
+
+    started = not dist.is_initialized()
+    try:
+        return _main(argv)
+    finally:
+        if started:
+            destroy_grid()
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
