@@ -13,6 +13,7 @@ the NERSC tutorial: with 8 ranks, tp=4, dp=2 and order tp-dp, the tp groups are 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import enum
 import gc
@@ -362,6 +363,19 @@ def destroy_grid() -> None:
         dist.destroy_process_group()
         _clear_dtensor_caches()
         gc.collect()
+
+
+@contextlib.contextmanager
+def ends_its_grid():
+    """A command's body (a decorator or a `with`): the process groups it starts are ended when it leaves
+    (`destroy_grid`: a gloo thread left to the interpreter's finalization can abort the rank after its work is
+    done); groups a caller started before are the caller's to end."""
+    started = not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if started:
+            destroy_grid()
 
 
 def _clear_dtensor_caches() -> None:

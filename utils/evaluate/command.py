@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from utils import ConfigError, exit_bad_input, require
+from utils.comm import ends_its_grid
 from utils.evaluate.items import build_requests, read_items
 from utils.evaluate.scoring import NORMALIZE, choice_scores, log_likelihoods, summarize
 from utils.generate.command import open_source
@@ -74,22 +75,8 @@ def load(args):
     return model, tokenizer, grid.device, tp, grid.is_main
 
 
+@ends_its_grid()
 def main(argv: list[str] | None = None) -> int:
-    """The command; the process groups it started are ended before it returns (`utils.comm.destroy_grid`: a gloo
-    thread left to the interpreter's finalization can abort the rank after its work is done)."""
-    import torch.distributed as dist
-
-    from utils.comm import destroy_grid
-
-    started = not dist.is_initialized()
-    try:
-        return _main(argv)
-    finally:
-        if started:
-            destroy_grid()
-
-
-def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         check_args(args)

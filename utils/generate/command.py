@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from utils import ConfigError, exit_bad_input, require
-from utils.comm import Axis, AxisGroup
+from utils.comm import Axis, AxisGroup, ends_its_grid
 from utils.language.task.sampling import PADDINGS, Sampling, sample
 from utils.launch_env import launch_env
 
@@ -177,22 +177,8 @@ def load(args) -> tuple[Source, AxisGroup | None, str, bool]:
     return source, grid.axis(Axis.TP), f"{grid.device}, tp{world}", grid.is_main
 
 
+@ends_its_grid()
 def main(argv: list[str] | None = None) -> int:
-    """The command; the process groups it started are ended before it returns (`utils.comm.destroy_grid`: a gloo
-    thread left to the interpreter's finalization can abort the rank after its work is done)."""
-    import torch.distributed as dist
-
-    from utils.comm import destroy_grid
-
-    started = not dist.is_initialized()
-    try:
-        return _main(argv)
-    finally:
-        if started:
-            destroy_grid()
-
-
-def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
